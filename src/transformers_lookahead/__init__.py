@@ -1,0 +1,35 @@
+"""Lookahead decoding as a native Hugging Face Transformers generation strategy."""
+
+from pathlib import Path
+
+from .cache_commit import CacheCommitter
+from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig
+from .generation_mixin import LookaheadGenerationMixin, enable_lookahead, generate_with_lookahead
+from .lookahead_decoding import LookaheadDecoderOnlyOutput, generate
+from .lookahead_window import LookaheadWindow
+from .ngram_pool import NGramPool, TokenTree
+from .step_layout import StepLayout
+from .verification import GreedyVerifier
+
+__version__ = "0.1.0"
+
+# A Hub-layout folder (`custom_generate/generate.py` + README) for `generate(custom_generate=HUB_FOLDER,
+# trust_remote_code=True)` or for uploading as a Hub repository.
+HUB_FOLDER = str(Path(__file__).parent / "hub")
+
+__all__ = [
+    "HUB_FOLDER",
+    "LOOKAHEAD_FIELDS",
+    "CacheCommitter",
+    "GreedyVerifier",
+    "LookaheadConfig",
+    "LookaheadDecoderOnlyOutput",
+    "LookaheadGenerationMixin",
+    "LookaheadWindow",
+    "NGramPool",
+    "StepLayout",
+    "TokenTree",
+    "enable_lookahead",
+    "generate",
+    "generate_with_lookahead",
+]

@@ -1,0 +1,198 @@
+"""Lookahead decoding settings: the `GenerationConfig` fields, their defaults and their validation."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+
+
+# The fields lookahead decoding reads from `GenerationConfig` (or from `generate(**kwargs)`), in the order users set them.
+LOOKAHEAD_FIELDS = (
+    "lookahead_window",
+    "lookahead_ngram",
+    "lookahead_guess",
+    "lookahead_pool_from_prompt",
+    "lookahead_cache_commit",
+)
+CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
+
+# Attention backends that apply an arbitrary additive 4D mask. Every other backend (flash attention in particular)
+# rebuilds a causal mask from the sequence layout and would silently let the lookahead branches see each other.
+SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+
+DEFAULT_NGRAM = 5
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """
+    The shape of one lookahead decoding step.
+
+    Args:
+        window (`int`):
+            W, the number of Jacobi window columns: how many future positions are guessed in parallel. Must be >= 1.
+        ngram (`int`):
+            N, the n-gram size. The window has N - 1 levels and every candidate n-gram proposes N - 1 tokens.
+            Must be >= 2.
+        guess (`int`):
+            G, the most candidate n-grams verified per step (also the most n-grams kept per key in the pool).
+            0 disables the verification branch. Must be >= 0.
+        pool_from_prompt (`bool`):
+            Whether the n-gram pool is seeded with the n-grams of the prompt and of the accepted text. Text the
+            model repeats from its context (code, names, quoted passages) is then verified from the first step,
+            before the Jacobi window has produced anything useful.
+        cache_commit (`str`):
+            How the accepted tokens' KV entries are kept: `"gather"` copies them out of the step's entries,
+            `"refeed"` drops them and feeds the accepted tokens again in the next step (see `CacheCommitter`).
+    """
+
+    window: int
+    ngram: int = DEFAULT_NGRAM
+    guess: int | None = None
+    pool_from_prompt: bool = True
+    cache_commit: str = "gather"
+
+    def __post_init__(self):
+        _check_int("lookahead_window", self.window, minimum=1)
+        _check_int("lookahead_ngram", self.ngram, minimum=2)
+        if self.guess is None:
+            object.__setattr__(self, "guess", self.window)
+        _check_int("lookahead_guess", self.guess, minimum=0)
+        if not isinstance(self.pool_from_prompt, bool):
+            raise ValueError(
+                f"`lookahead_pool_from_prompt` must be a bool (True or False), got {self.pool_from_prompt!r}."
+            )
+        if self.cache_commit not in CACHE_COMMIT_STRATEGIES:
+            raise ValueError(
+                f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {self.cache_commit!r}."
+            )
+
+    @property
+    def levels(self) -> int:
+        """Number of window levels (N - 1), which is also the length of every candidate n-gram after its key."""
+        return self.ngram - 1
+
+    @classmethod
+    def from_sources(cls, *sources: Any) -> LookaheadConfig | None:
+        """
+        Builds the configuration from the first source that sets each field.
+
+        Args:
+            sources:
+                Mappings (`generate` keyword arguments) or objects with attributes (`GenerationConfig`), highest
+                priority first. `None` values count as unset.
+
+        Returns:
+            `LookaheadConfig` or `None`: `None` when no source sets `lookahead_window`, meaning lookahead is off.
+        """
+        values = {}
+        for field in LOOKAHEAD_FIELDS:
+            for source in sources:
+                value = source.get(field) if isinstance(source, dict) else getattr(source, field, None)
+                if value is not None:
+                    values[field] = value
+                    break
+        if values.get("lookahead_window") is None:
+            unused = sorted(values)
+            if unused:
+                raise ValueError(
+                    f"{', '.join(f'`{name}`' for name in unused)} set without `lookahead_window`: set "
+                    "`lookahead_window` (an int >= 1) to turn lookahead decoding on."
+                )
+            return None
+        return cls(
+            window=values["lookahead_window"],
+            ngram=values.get("lookahead_ngram", DEFAULT_NGRAM),
+            guess=values.get("lookahead_guess"),
+            pool_from_prompt=values.get("lookahead_pool_from_prompt", True),
+            cache_commit=values.get("lookahead_cache_commit", "gather"),
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def validate_lookahead_setup(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig,
+    batch_size: int,
+    model_kwargs: dict[str, Any],
+    assistant_model: PreTrainedModel | None = None,
+) -> None:
+    """
+    Refuses, before any forward pass, the settings lookahead decoding cannot honour exactly.
+
+    Args:
+        model (`PreTrainedModel`): the model `generate` was called on.
+        generation_config (`GenerationConfig`): the fully resolved generation config of the call.
+        batch_size (`int`): rows of `input_ids` after expansion for `num_return_sequences`.
+        model_kwargs (`dict`): the model keyword arguments `generate` prepared (cache, attention mask, ...).
+        assistant_model (`PreTrainedModel`, *optional*): the assistant passed to `generate`, if any.
+
+    Raises:
+        `ValueError` naming the conflicting setting and what to use instead.
+    """
+    if model.config.is_encoder_decoder:
+        raise ValueError(
+            f"Lookahead decoding supports decoder-only models; {type(model).__name__} is an encoder-decoder model. "
+            "Remove the `lookahead_*` settings to use the usual decoding."
+        )
+    attn = model.config._attn_implementation
+    if attn not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"Lookahead decoding needs an attention backend that applies custom 4D masks, but the model uses "
+            f"attn_implementation={attn!r}. Load or switch the model to one of {SUPPORTED_ATTENTION_IMPLEMENTATIONS}, "
+            "e.g. `model.set_attn_implementation('sdpa')`."
+        )
+    conflicts = {
+        "num_beams": (generation_config.num_beams or 1) > 1,
+        "prompt_lookup_num_tokens": generation_config.prompt_lookup_num_tokens is not None,
+        "assistant_model": assistant_model is not None,
+    }
+    for name, conflicting in conflicts.items():
+        if conflicting:
+            raise ValueError(
+                f"Lookahead decoding cannot be combined with `{name}`: both decide how tokens are proposed. "
+                f"Use either lookahead (`lookahead_window`) or `{name}`, not both."
+            )
+    if generation_config.do_sample:
+        raise ValueError(
+            "Lookahead decoding supports greedy decoding only for now (`do_sample=False`); got `do_sample=True`. "
+            "Pass `do_sample=False` (pipelines sample by default) or remove `lookahead_window`."
+        )
+    if batch_size != 1:
+        raise ValueError(
+            f"Lookahead decoding supports one sequence per call for now; got a batch of {batch_size} rows "
+            "(input rows x `num_return_sequences`). Call `generate` once per prompt."
+        )
+    if not generation_config.use_cache:
+        raise ValueError(
+            "Lookahead decoding keeps the accepted tokens in the KV cache and needs `use_cache=True`; "
+            "got `use_cache=False`."
+        )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"Lookahead decoding rolls the cache back with `DynamicCache.crop`; "
+            f"cache_implementation={generation_config.cache_implementation!r} is not supported. "
+            "Use the default dynamic cache (`cache_implementation=None`)."
+        )
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "Lookahead decoding cannot return `output_attentions` / `output_hidden_states`: one forward pass holds "
+            "several speculative branches, so per-token attentions are not those of plain decoding. "
+            "Set both to False."
+        )
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "Lookahead decoding got an `attention_mask` with padding; with one sequence per call no padding is "
+            "needed: pass the prompt unpadded."
+        )
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("Lookahead decoding needs `input_ids`; got `inputs_embeds`. Pass token ids instead.")

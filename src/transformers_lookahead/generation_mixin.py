@@ -1,0 +1,102 @@
+"""`LookaheadGenerationMixin`: lookahead decoding behind the usual `model.generate(...)` call."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from transformers import GenerationMixin, PreTrainedModel
+
+from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig
+from .lookahead_decoding import generate as lookahead_generate
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import GenerationConfig
+
+
+class LookaheadGenerationMixin:
+    """
+    Adds lookahead decoding to `generate`.
+
+    With `lookahead_window` set (as a `generate` argument, in the `generation_config` passed to it, or in the model's
+    own `generation_config`), `generate` prepares its inputs as usual and then decodes with
+    `transformers_lookahead.generate`. Without it, `generate` is untouched.
+
+    Use `enable_lookahead(model)` to put this mixin in front of a loaded model's class.
+    """
+
+    def generate(
+        self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
+    ):
+        return generate_with_lookahead(self, inputs, generation_config, **kwargs)
+
+
+def generate_with_lookahead(
+    model: PreTrainedModel,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    default_window: int | None = None,
+    **kwargs: Any,
+):
+    """
+    `GenerationMixin.generate`, decoding with lookahead when a `lookahead_window` is set.
+
+    Args:
+        model (`PreTrainedModel`): any decoder-only model.
+        inputs (`torch.Tensor`, *optional*): as for `generate`.
+        generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
+        default_window (`int`, *optional*): the window to use when nothing sets `lookahead_window`; `None` leaves
+            such calls to plain `generate`.
+        kwargs: the other `generate` arguments, `lookahead_*` ones included.
+    """
+    overrides = {field: kwargs.pop(field) for field in LOOKAHEAD_FIELDS if field in kwargs}
+    config = LookaheadConfig.from_sources(
+        overrides, generation_config or {}, getattr(model, "generation_config", None) or {}
+    )
+    if config is None and default_window is not None:
+        config = LookaheadConfig(window=default_window)
+    if config is None:
+        return GenerationMixin.generate(model, inputs, generation_config, **kwargs)
+    # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
+    # streamer and the assistant travel bound to the callable.
+    decoding = functools.partial(
+        lookahead_generate,
+        lookahead_window=config.window,
+        lookahead_ngram=config.ngram,
+        lookahead_guess=config.guess,
+        lookahead_pool_from_prompt=config.pool_from_prompt,
+        lookahead_cache_commit=config.cache_commit,
+        lookahead_streamer=kwargs.pop("streamer", None),
+        lookahead_assistant_model=kwargs.pop("assistant_model", None),
+    )
+    return GenerationMixin.generate(model, inputs, generation_config, custom_generate=decoding, **kwargs)
+
+
+_LOOKAHEAD_CLASSES: dict[type, type] = {}
+
+
+def enable_lookahead(model: PreTrainedModel) -> PreTrainedModel:
+    """
+    Gives `model` lookahead decoding: its class becomes a subclass with `LookaheadGenerationMixin` in front.
+
+    Only this object changes; its class keeps its name, so `save_pretrained` still writes the original architecture
+    and the saved model loads with stock Transformers. Calling it again is a no-op.
+
+    Args:
+        model (`PreTrainedModel`): a loaded decoder-only model.
+
+    Returns:
+        The same `model`, for chaining.
+    """
+    if not isinstance(model, PreTrainedModel) or not model.can_generate():
+        raise TypeError(f"enable_lookahead expects a generative `PreTrainedModel`, got {type(model).__name__}.")
+    cls = type(model)
+    if issubclass(cls, LookaheadGenerationMixin):
+        return model
+    if cls not in _LOOKAHEAD_CLASSES:
+        _LOOKAHEAD_CLASSES[cls] = type(
+            cls.__name__, (LookaheadGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
+    model.__class__ = _LOOKAHEAD_CLASSES[cls]
+    return model

@@ -1,0 +1,64 @@
+"""The Jacobi lookahead window: W columns x (N - 1) levels of guessed future tokens."""
+
+from __future__ import annotations
+
+import torch
+
+# Seed of the window's private generator: the initial guesses are the same on every run, and the user's global
+# random state is never touched (sampling with a fixed seed must stay reproducible with or without lookahead).
+WINDOW_SEED = 0
+
+
+class LookaheadWindow:
+    """
+    The lookahead branch of a step.
+
+    Level `l` column `i` holds a guess for the token at position `p + 1 + l + i`, where `p` is the position of the
+    last accepted token. Each step feeds every level to the model; the outputs of the top level become the new top
+    level and the older levels shift down by one, so every column keeps a history of N - 1 successive guesses (one
+    Jacobi iteration per step). Each column then yields the n-gram `(level 0, ..., level N-2, new top)`.
+
+    The levels start as tokens drawn from the prompt: random vocabulary ids almost never reappear in text, while
+    prompt tokens are in-distribution and converge to useful n-grams sooner.
+
+    Args:
+        window (`int`): W, the number of columns.
+        levels (`int`): N - 1, the number of levels.
+        prompt_ids (`torch.LongTensor` of shape `(prompt_length,)`): the prompt the initial guesses are drawn from.
+    """
+
+    def __init__(self, window: int, levels: int, prompt_ids: torch.LongTensor):
+        generator = torch.Generator().manual_seed(WINDOW_SEED)
+        picks = torch.randint(prompt_ids.shape[0], (levels, window), generator=generator)
+        self.tokens = prompt_ids[picks.to(prompt_ids.device)]
+        self.window = window
+        self.levels = levels
+        # The bottom level is the oldest; until N - 2 updates have happened, some of its levels are still the
+        # initial draw rather than model outputs, and their n-grams would only pollute the pool.
+        self._updates_until_ngrams = levels - 1
+
+    def __len__(self) -> int:
+        return self.window * self.levels
+
+    def flat(self) -> torch.LongTensor:
+        """All guesses, level by level: the window part of the step's input ids."""
+        return self.tokens.reshape(-1)
+
+    def update(self, top: torch.LongTensor) -> list[list[int]]:
+        """
+        Applies one Jacobi iteration.
+
+        Args:
+            top (`torch.LongTensor` of shape `(window,)`): the argmax of the model at the top level's positions.
+
+        Returns:
+            `list[list[int]]`: the n-grams the columns completed (one per column, N tokens each), or an empty list
+            while the window still holds initial guesses.
+        """
+        ngrams = []
+        if self._updates_until_ngrams > 0:
+            self._updates_until_ngrams -= 1
+        else:
+            ngrams = torch.cat([self.tokens, top[None]]).T.tolist()
+        self.tokens = torch.cat([self.tokens[1:], top[None]])
+        return ngrams

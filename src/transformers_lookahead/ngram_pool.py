@@ -1,0 +1,166 @@
+"""The n-gram pool: recent n-grams keyed by their first token, stored as one trie per key."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenTree:
+    """
+    Candidate continuations of one token, merged on shared prefixes: the verification branch of a step.
+
+    Nodes are listed parents first. Node `i` holds `tokens[i]` at depth `depths[i]` (1 = the token right after the
+    key), below node `parents[i]` (-1 = directly below the key).
+
+    Args:
+        tokens (`list[int]`): the token of each node.
+        parents (`list[int]`): the parent node of each node, -1 for the children of the key.
+        depths (`list[int]`): the depth of each node, >= 1.
+        children (`list[dict[int, int]]`): for each node, its children by token; entry 0 is the key itself, node
+            `i` is at entry `i + 1`.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` (-1 = the key) that holds `token`, or None."""
+        return self.children[node + 1].get(token)
+
+    def ancestors(self, node: int) -> list[int]:
+        """`node` and every node above it, deepest first."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path
+
+
+class NGramPool:
+    """
+    Recently seen n-grams, looked up by their first token.
+
+    Each key keeps its most recently used `max_per_key` continuations (least recently used evicted first) in a trie,
+    so lookup is one dict access and continuations that share a prefix share trie nodes: `tree(key)` turns them into
+    a verification tree whose size is the number of distinct prefixes rather than the number of continuations.
+
+    Args:
+        continuation_length (`int`): tokens stored after each key (N - 1 for n-grams of size N).
+        max_per_key (`int`): the most continuations kept per key (G). 0 keeps nothing.
+    """
+
+    def __init__(self, continuation_length: int, max_per_key: int):
+        self.continuation_length = continuation_length
+        self.max_per_key = max_per_key
+        self._recent: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        # Trie node: token -> [number of continuations through it, children]
+        self._tries: dict[int, dict[int, list]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(recent) for recent in self._recent.values())
+
+    def __contains__(self, ngram: Sequence[int]) -> bool:
+        recent = self._recent.get(ngram[0])
+        return recent is not None and tuple(ngram[1:]) in recent
+
+    def add(self, key: int, continuation: Sequence[int]) -> None:
+        """
+        Records that `continuation` followed `key`, as the most recent entry of that key.
+
+        Args:
+            key (`int`): the first token of the n-gram.
+            continuation (`Sequence[int]`): the `continuation_length` tokens that followed it.
+        """
+        if self.max_per_key == 0:
+            return
+        continuation = tuple(continuation)
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = OrderedDict()
+            self._tries[key] = {}
+        elif continuation in recent:
+            recent.move_to_end(continuation)
+            return
+        recent[continuation] = None
+        trie = self._tries[key]
+        _trie_insert(trie, continuation)
+        if len(recent) > self.max_per_key:
+            evicted, _ = recent.popitem(last=False)
+            _trie_remove(trie, evicted)
+
+    def add_sequence(self, tokens: Sequence[int], first_key: int = 0) -> None:
+        """
+        Records every complete n-gram of `tokens` whose key is at index `first_key` or later.
+
+        Args:
+            tokens (`Sequence[int]`): a token sequence (the prompt, or the text generated so far).
+            first_key (`int`): the index of the first key to record; earlier n-grams were recorded before.
+        """
+        length = self.continuation_length
+        for start in range(max(first_key, 0), len(tokens) - length):
+            self.add(tokens[start], tokens[start + 1 : start + 1 + length])
+
+    def continuations(self, key: int) -> list[tuple[int, ...]]:
+        """The continuations kept for `key`, most recently used first."""
+        return list(reversed(self._recent.get(key, ())))
+
+    def tree(self, key: int, max_depth: int) -> TokenTree:
+        """
+        The continuations of `key` as a token tree, cut at `max_depth` tokens.
+
+        Args:
+            key (`int`): the token the continuations follow (the last accepted token).
+            max_depth (`int`): the deepest level to include; 0 gives an empty tree.
+
+        Returns:
+            `TokenTree` listing parents before children (breadth first).
+        """
+        tree = TokenTree()
+        trie = self._tries.get(key)
+        if not trie or max_depth < 1:
+            return tree
+        frontier = [(trie, -1)]
+        for depth in range(1, max_depth + 1):
+            next_frontier = []
+            for children, parent in frontier:
+                for token, (_, grandchildren) in children.items():
+                    node = len(tree.tokens)
+                    tree.tokens.append(token)
+                    tree.parents.append(parent)
+                    tree.depths.append(depth)
+                    tree.children.append({})
+                    tree.children[parent + 1][token] = node
+                    if grandchildren:
+                        next_frontier.append((grandchildren, node))
+            frontier = next_frontier
+        return tree
+
+
+def _trie_insert(trie: dict[int, list], continuation: tuple[int, ...]) -> None:
+    children = trie
+    for token in continuation:
+        node = children.get(token)
+        if node is None:
+            node = children[token] = [0, {}]
+        node[0] += 1
+        children = node[1]
+
+
+def _trie_remove(trie: dict[int, list], continuation: tuple[int, ...]) -> None:
+    children = trie
+    for token in continuation:
+        node = children[token]
+        node[0] -= 1
+        if node[0] == 0:
+            # No other continuation passes through here: the whole subtree belonged to this one.
+            del children[token]
+            return
+        children = node[1]

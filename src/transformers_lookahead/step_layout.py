@@ -1,0 +1,176 @@
+"""The input row of one lookahead step: token ids, position ids, the 4D attention mask and the logits to keep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ngram_pool import TokenTree
+
+
+@dataclass
+class StepInputs:
+    """
+    Everything the forward pass of one step needs, and where its outputs are.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(1, T)`): pending tokens, then the window, then the tree.
+        position_ids (`torch.LongTensor` of shape `(1, T)`).
+        attention_mask (`torch.Tensor` or `dict[str, torch.Tensor]`): additive float masks of shape
+            `(1, 1, T, kv_length)`, one per attention layer type when the model mixes full and sliding layers.
+        logits_rows (`torch.LongTensor`): the step rows whose logits are computed, in this order: the last pending
+            token, the window's top level (if the window is in the step), every tree node.
+        window_used (`bool`): whether the window is part of this step.
+    """
+
+    input_ids: torch.LongTensor
+    position_ids: torch.LongTensor
+    attention_mask: torch.Tensor | dict[str, torch.Tensor]
+    logits_rows: torch.LongTensor
+    window_used: bool
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """
+    Attention layers that share one mask.
+
+    Args:
+        layer_idx (`int`): a cache layer of the group, asked for the key/value length of the step.
+        sliding_window (`int` or `None`): the window of sliding layers, `None` for full attention.
+    """
+
+    layer_idx: int
+    sliding_window: int | None
+
+
+class StepLayout:
+    """
+    Lays out one step as a single sequence (see `docs/source/en/lookahead_decoding.md` for a drawing):
+
+    - `k` pending tokens (accepted, not yet in the cache) at positions `p - k + 1 .. p`, causal among themselves;
+    - window level `l`, column `i` at position `p + 1 + l + i`, seeing level 0 up to its column and its own
+      column's levels 1..l, i.e. a contiguous history of positions `p + 1 .. p + 1 + l + i`;
+    - tree nodes at `p + depth`, each seeing its ancestors.
+
+    Every row sees the whole cache and all pending tokens; the window and the tree never see each other. Sliding
+    layers additionally hide keys `sliding_window` or more positions back.
+
+    Args:
+        window (`int`): W, columns of the lookahead window.
+        levels (`int`): N - 1, levels of the window.
+        groups (`dict[str, AttentionGroup]` or `AttentionGroup`): one group per attention layer type (the masks are
+            then passed as a dict keyed by layer type), or a single group when all layers share one mask.
+        dtype (`torch.dtype`): the dtype of the additive masks (the model's).
+        device (`torch.device`): where the step tensors live.
+    """
+
+    def __init__(
+        self,
+        window: int,
+        levels: int,
+        groups: dict[str, AttentionGroup] | AttentionGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.window = window
+        self.levels = levels
+        self.groups = groups
+        self.device = device
+        self.dtype = dtype
+        self.min_value = torch.finfo(dtype).min
+
+        # The window's structure is the same every step: build it once.
+        level = torch.arange(levels, device=device).repeat_interleave(window)
+        column = torch.arange(window, device=device).repeat(levels)
+        self.window_offsets = 1 + level + column
+        sees_first_level = (level[None, :] == 0) & (column[None, :] <= column[:, None])
+        sees_own_column = (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
+        self.window_block = sees_first_level | sees_own_column
+        self.top_rows = torch.arange((levels - 1) * window, levels * window, device=device)
+
+    def build(
+        self,
+        cache,
+        pending: torch.LongTensor,
+        position: int,
+        window_tokens: torch.LongTensor | None,
+        tree: TokenTree,
+    ) -> StepInputs:
+        """
+        Args:
+            cache (`Cache`): the model's cache, asked for each group's key/value length and offset.
+            pending (`torch.LongTensor` of shape `(k,)`): accepted tokens that are not in the cache yet, k >= 1.
+            position (`int`): the position of the last pending token.
+            window_tokens (`torch.LongTensor` of shape `(levels * window,)` or `None`): the window's guesses
+                level by level, or `None` to leave the window out of this step.
+            tree (`TokenTree`): the candidates to verify (may be empty).
+
+        Returns:
+            `StepInputs`.
+        """
+        device = self.device
+        k = pending.shape[0]
+        window_length = 0 if window_tokens is None else window_tokens.shape[0]
+        tree_length = len(tree)
+        length = k + window_length + tree_length
+        tree_start = k + window_length
+
+        parts_ids = [pending]
+        parts_pos = [torch.arange(position - k + 1, position + 1, device=device)]
+        if window_tokens is not None:
+            parts_ids.append(window_tokens)
+            parts_pos.append(self.window_offsets + position)
+        if tree_length:
+            parts_ids.append(torch.tensor(tree.tokens, device=device))
+            parts_pos.append(torch.tensor(tree.depths, device=device) + position)
+        input_ids = torch.cat(parts_ids)
+        positions = torch.cat(parts_pos)
+
+        visible = torch.zeros(length, length, dtype=torch.bool, device=device)
+        visible[:, :k] = True
+        visible[:k, :k] = torch.ones(k, k, dtype=torch.bool, device=device).tril()
+        if window_tokens is not None:
+            visible[k:tree_start, k:tree_start] = self.window_block
+        if tree_length:
+            rows, cols = [], []
+            for node in range(tree_length):
+                path = tree.ancestors(node)
+                rows.extend([node] * len(path))
+                cols.extend(path)
+            visible[tree_start + torch.tensor(rows, device=device), tree_start + torch.tensor(cols, device=device)] = True
+
+        if isinstance(self.groups, AttentionGroup):
+            attention_mask = self._mask(cache, self.groups, visible, positions)
+        else:
+            attention_mask = {name: self._mask(cache, group, visible, positions) for name, group in self.groups.items()}
+
+        rows = [torch.tensor([k - 1], device=device)]
+        if window_tokens is not None:
+            rows.append(self.top_rows + k)
+        rows.append(torch.arange(tree_start, length, device=device))
+        return StepInputs(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            attention_mask=attention_mask,
+            logits_rows=torch.cat(rows),
+            window_used=window_tokens is not None,
+        )
+
+    def _mask(self, cache, group: AttentionGroup, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        length = visible.shape[0]
+        kv_length, kv_offset = cache.get_mask_sizes(length, group.layer_idx)
+        past = kv_length - length
+        mask = torch.zeros(length, kv_length, dtype=self.dtype, device=self.device)
+        mask[:, past:].masked_fill_(~visible, self.min_value)
+        if group.sliding_window is not None:
+            # One sequence, no padding: a cached token's position is its index in the cache.
+            kv_positions = torch.cat([torch.arange(kv_offset, kv_offset + past, device=self.device), positions])
+            too_far = positions[:, None] - kv_positions[None, :] >= group.sliding_window
+            mask.masked_fill_(too_far, self.min_value)
+        return mask[None, None]

@@ -1,0 +1,82 @@
+"""Verification: which candidate tokens of a step the model confirms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from .ngram_pool import TokenTree
+
+
+@dataclass
+class Verdict:
+    """
+    The tokens a step accepts.
+
+    Args:
+        tokens (`list[int]`): the accepted tokens in order: the matched tree path, then one token from the model.
+        nodes (`list[int]`): the tree node holding each matched token (one fewer than `tokens`).
+        logits (`list[torch.Tensor]`): the raw logits that chose each token, each of shape `(1, vocab)`.
+        scores (`list[torch.Tensor]`): the processed scores that chose each token, each of shape `(1, vocab)`.
+    """
+
+    tokens: list[int]
+    nodes: list[int]
+    logits: list[torch.Tensor]
+    scores: list[torch.Tensor]
+
+
+class GreedyVerifier:
+    """
+    Greedy verification of a token tree.
+
+    Starting from the last accepted token, the model's choice at each node is accepted; if a child of the node holds
+    that token, its logits (computed in the same forward pass) give the next choice, otherwise the walk ends. Every
+    accepted token is thus the token plain greedy decoding picks at that position, and logits processors see exactly
+    the inputs they see in plain decoding: they are called once per accepted token, on the sequence up to it.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): the processors `generate` built for the call.
+    """
+
+    def __init__(self, logits_processor: LogitsProcessorList):
+        self.logits_processor = logits_processor
+
+    def verify(
+        self, logits: torch.Tensor, tree: TokenTree, tree_row: int, input_ids: torch.LongTensor, max_tokens: int
+    ) -> Verdict:
+        """
+        Args:
+            logits (`torch.Tensor` of shape `(rows, vocab)`): row 0 follows the last accepted token; tree node `i`
+                is row `tree_row + i`.
+            tree (`TokenTree`): the verified candidates.
+            tree_row (`int`): the row of the first tree node in `logits`.
+            input_ids (`torch.LongTensor` of shape `(1, length)`): the sequence so far.
+            max_tokens (`int`): the most tokens to accept (what the length budget still allows).
+
+        Returns:
+            `Verdict`.
+        """
+        processors = self.logits_processor
+        # Without processors the choice is the raw argmax: one reduction and one host transfer for all rows.
+        choices = logits.argmax(-1).tolist() if not processors else None
+        verdict = Verdict([], [], [], [])
+        row, node = 0, -1
+        while True:
+            raw = logits[row : row + 1].to(dtype=torch.float32, copy=True)
+            if processors:
+                sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
+                scores = processors(sequence, raw)
+                token = int(scores.argmax(-1))
+            else:
+                scores, token = raw, choices[row]
+            verdict.tokens.append(token)
+            verdict.logits.append(raw)
+            verdict.scores.append(scores)
+            child = tree.child(node, token)
+            if child is None or len(verdict.tokens) >= max_tokens:
+                return verdict
+            verdict.nodes.append(child)
+            row, node = tree_row + child, child
