@@ -25,6 +25,13 @@ CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
 SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 
 DEFAULT_NGRAM = 5
+AUTO = "auto"
+# What "auto" means for the n-gram size and the pool size: the adaptive policy prunes the candidates of every step
+# to those worth their cost, so the pool can be generous.
+AUTO_NGRAM = 5
+AUTO_GUESS = 8
+# The largest window "auto" considers.
+AUTO_MAX_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -33,14 +40,16 @@ class LookaheadConfig:
     The shape of one lookahead decoding step.
 
     Args:
-        window (`int`):
+        window (`int` or `"auto"`):
             W, the number of Jacobi window columns: how many future positions are guessed in parallel. Must be >= 1.
-        ngram (`int`):
+            `"auto"` picks W from the measured cost of a forward pass on this device and lets each step choose
+            whether to run the window and which candidates to verify (see `AdaptiveStepPolicy`).
+        ngram (`int` or `"auto"`):
             N, the n-gram size. The window has N - 1 levels and every candidate n-gram proposes N - 1 tokens.
-            Must be >= 2.
-        guess (`int`):
+            Must be >= 2. `"auto"` is 5.
+        guess (`int` or `"auto"`):
             G, the most candidate n-grams verified per step (also the most n-grams kept per key in the pool).
-            0 disables the verification branch. Must be >= 0.
+            0 disables the verification branch. Must be >= 0. Defaults to W; `"auto"` is 8.
         pool_from_prompt (`bool`):
             Whether the n-gram pool is seeded with the n-grams of the prompt and of the accepted text. Text the
             model repeats from its context (code, names, quoted passages) is then verified from the first step,
@@ -50,16 +59,21 @@ class LookaheadConfig:
             `"refeed"` drops them and feeds the accepted tokens again in the next step (see `CacheCommitter`).
     """
 
-    window: int
-    ngram: int = DEFAULT_NGRAM
-    guess: int | None = None
+    window: int | str
+    ngram: int | str = DEFAULT_NGRAM
+    guess: int | str | None = None
     pool_from_prompt: bool = True
     cache_commit: str = "gather"
 
     def __post_init__(self):
-        _check_int("lookahead_window", self.window, minimum=1)
+        if self.window != AUTO:
+            _check_int("lookahead_window", self.window, minimum=1)
+        if self.ngram == AUTO:
+            object.__setattr__(self, "ngram", AUTO_NGRAM)
         _check_int("lookahead_ngram", self.ngram, minimum=2)
-        if self.guess is None:
+        if self.guess == AUTO or (self.guess is None and self.window == AUTO):
+            object.__setattr__(self, "guess", AUTO_GUESS)
+        elif self.guess is None:
             object.__setattr__(self, "guess", self.window)
         _check_int("lookahead_guess", self.guess, minimum=0)
         if not isinstance(self.pool_from_prompt, bool):
@@ -70,6 +84,11 @@ class LookaheadConfig:
             raise ValueError(
                 f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {self.cache_commit!r}."
             )
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether each step's content is chosen by the adaptive policy (`lookahead_window="auto"`)."""
+        return self.window == AUTO
 
     @property
     def levels(self) -> int:
@@ -101,7 +120,7 @@ class LookaheadConfig:
             if unused:
                 raise ValueError(
                     f"{', '.join(f'`{name}`' for name in unused)} set without `lookahead_window`: set "
-                    "`lookahead_window` (an int >= 1) to turn lookahead decoding on."
+                    "`lookahead_window` (an int >= 1, or \"auto\") to turn lookahead decoding on."
                 )
             return None
         return cls(
@@ -115,7 +134,7 @@ class LookaheadConfig:
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+        raise ValueError(f"`{name}` must be an integer >= {minimum} or \"auto\", got {value!r}.")
 
 
 def validate_lookahead_setup(

@@ -11,10 +11,12 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_commit import CacheCommitter, attention_groups
-from .configuration_lookahead import LookaheadConfig, validate_lookahead_setup
+from .cost_model import StepCostModel, cache_argument
+from .configuration_lookahead import AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import NGramPool
 from .step_layout import StepLayout
+from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
 from .verification import GreedyVerifier
 
 if TYPE_CHECKING:
@@ -132,8 +134,15 @@ class LookaheadDecoder:
         self.stopping_criteria = stopping_criteria
         self.generation_config = generation_config
         self.committer = committer
+        if config.adaptive:
+            cost = StepCostModel.for_model(model)
+            self.window_size = choose_window(cost, config.levels, AUTO_MAX_WINDOW)
+            self.policy = AdaptiveStepPolicy(cost, self.window_size * config.levels, config.levels)
+        else:
+            self.window_size = config.window
+            self.policy = StaticStepPolicy()
         forward_parameters = inspect.signature(model.forward).parameters
-        self.cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
+        self.cache_argument = cache_argument(model)
         self.slices_logits = "logits_to_keep" in forward_parameters
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -162,9 +171,9 @@ class LookaheadDecoder:
         pool = NGramPool(config.levels, config.guess)
         if config.pool_from_prompt:
             pool.add_sequence(tokens)
-        window = LookaheadWindow(config.window, config.levels, input_ids[0])
+        window = LookaheadWindow(self.window_size, config.levels, input_ids[0])
         layout = StepLayout(
-            config.window,
+            self.window_size,
             config.levels,
             attention_groups(cache, getattr(model.config.get_text_config(decoder=True), "layer_types", None)),
             model.dtype,
@@ -178,13 +187,13 @@ class LookaheadDecoder:
             position = length - 1
             position_room = (self.max_positions - 1 - position) if self.max_positions else config.levels
             depth = min(config.levels, max_length - length - 1, position_room)
-            tree = pool.tree(tokens[-1], depth)
-            use_window = position_room >= config.levels + config.window - 1
+            window_allowed = position_room >= config.levels + self.window_size - 1
+            use_window, tree = self.policy.plan(pool.tree(tokens[-1], depth), window_allowed, pending.shape[0])
             step = layout.build(cache, pending, position, window.flat() if use_window else None, tree)
 
             logits = self._forward(step)
             forward_passes += 1
-            tree_row = 1 + (config.window if use_window else 0)
+            tree_row = 1 + (self.window_size if use_window else 0)
             verdict = verifier.verify(logits, tree, tree_row, input_ids, max_length - length)
             input_ids, kept, done = self._append(input_ids, verdict.tokens, verdict.logits, verdict.scores)
             accepted_per_step.append(kept)
@@ -195,9 +204,12 @@ class LookaheadDecoder:
             self.committer.commit(step.length, pending.shape[0], [node_start + n for n in verdict.nodes[: kept - 1]])
             pending = input_ids[0, -kept:] if config.cache_commit == "refeed" else input_ids[0, -1:]
 
+            matched = new_tokens[: len(verdict.nodes)]
+            window_credit = len(matched) if pool.found_by_window(tokens[-1], matched) else 0
+            self.policy.observe(tree, verdict, use_window, window_credit)
             if use_window:
                 for ngram in window.update(logits[1:tree_row].argmax(-1)):
-                    pool.add(ngram[0], ngram[1:])
+                    pool.add(ngram[0], ngram[1:], from_window=True)
             tokens.extend(new_tokens)
             if config.pool_from_prompt:
                 pool.add_sequence(tokens, first_key=len(tokens) - kept - config.levels)

@@ -21,12 +21,14 @@ class TokenTree:
         depths (`list[int]`): the depth of each node, >= 1.
         children (`list[dict[int, int]]`): for each node, its children by token; entry 0 is the key itself, node
             `i` is at entry `i + 1`.
+        counts (`list[int]`): how many pooled continuations pass through each node.
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
+    counts: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -34,6 +36,27 @@ class TokenTree:
     def child(self, node: int, token: int) -> int | None:
         """The child of `node` (-1 = the key) that holds `token`, or None."""
         return self.children[node + 1].get(token)
+
+    def subtree(self, nodes: list[int]) -> TokenTree:
+        """
+        The tree restricted to `nodes`, which must include the parent of each of its nodes.
+
+        Args:
+            nodes (`list[int]`): the nodes to keep, in any order.
+        """
+        kept = sorted(nodes)
+        renumber = {old: new for new, old in enumerate(kept)}
+        tree = TokenTree()
+        for old in kept:
+            parent = self.parents[old]
+            new_parent = renumber[parent] if parent >= 0 else -1
+            tree.tokens.append(self.tokens[old])
+            tree.parents.append(new_parent)
+            tree.depths.append(self.depths[old])
+            tree.counts.append(self.counts[old])
+            tree.children.append({})
+            tree.children[new_parent + 1][self.tokens[old]] = renumber[old]
+        return tree
 
     def ancestors(self, node: int) -> list[int]:
         """`node` and every node above it, deepest first."""
@@ -60,7 +83,8 @@ class NGramPool:
     def __init__(self, continuation_length: int, max_per_key: int):
         self.continuation_length = continuation_length
         self.max_per_key = max_per_key
-        self._recent: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        # Value: whether the continuation first entered the pool from the lookahead window (rather than from text).
+        self._recent: dict[int, OrderedDict[tuple[int, ...], bool]] = {}
         # Trie node: token -> [number of continuations through it, children]
         self._tries: dict[int, dict[int, list]] = {}
 
@@ -71,13 +95,14 @@ class NGramPool:
         recent = self._recent.get(ngram[0])
         return recent is not None and tuple(ngram[1:]) in recent
 
-    def add(self, key: int, continuation: Sequence[int]) -> None:
+    def add(self, key: int, continuation: Sequence[int], from_window: bool = False) -> None:
         """
         Records that `continuation` followed `key`, as the most recent entry of that key.
 
         Args:
             key (`int`): the first token of the n-gram.
             continuation (`Sequence[int]`): the `continuation_length` tokens that followed it.
+            from_window (`bool`): whether the n-gram was guessed by the lookahead window rather than read in text.
         """
         if self.max_per_key == 0:
             return
@@ -89,7 +114,7 @@ class NGramPool:
         elif continuation in recent:
             recent.move_to_end(continuation)
             return
-        recent[continuation] = None
+        recent[continuation] = from_window
         trie = self._tries[key]
         _trie_insert(trie, continuation)
         if len(recent) > self.max_per_key:
@@ -107,6 +132,18 @@ class NGramPool:
         length = self.continuation_length
         for start in range(max(first_key, 0), len(tokens) - length):
             self.add(tokens[start], tokens[start + 1 : start + 1 + length])
+
+    def found_by_window(self, key: int, path: Sequence[int]) -> bool:
+        """
+        Whether the only pooled continuations of `key` that start with `path` came from the lookahead window: the
+        tokens of `path` were then accepted thanks to the window.
+        """
+        recent = self._recent.get(key)
+        if not recent or not path:
+            return False
+        prefix = tuple(path)
+        origins = [window for continuation, window in recent.items() if continuation[: len(prefix)] == prefix]
+        return bool(origins) and all(origins)
 
     def continuations(self, key: int) -> list[tuple[int, ...]]:
         """The continuations kept for `key`, most recently used first."""
@@ -131,9 +168,10 @@ class NGramPool:
         for depth in range(1, max_depth + 1):
             next_frontier = []
             for children, parent in frontier:
-                for token, (_, grandchildren) in children.items():
+                for token, (count, grandchildren) in children.items():
                     node = len(tree.tokens)
                     tree.tokens.append(token)
+                    tree.counts.append(count)
                     tree.parents.append(parent)
                     tree.depths.append(depth)
                     tree.children.append({})

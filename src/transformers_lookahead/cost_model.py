@@ -1,0 +1,143 @@
+"""What a forward pass of T tokens costs on this model and device, measured once and cached."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+# Step lengths the cost is measured at; lengths in between are interpolated.
+COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+_CONTEXT = 128
+_REPEATS = 3
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name under which `model.forward` takes the KV cache (`cache` in recent 5.x, `past_key_values` before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/transformers_lookahead` (`~/.cache/transformers_lookahead` by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformers_lookahead"
+
+
+class StepCostModel:
+    """
+    Forward-pass time as a function of the step length T, relative to a one-token step.
+
+    On a GPU a step of 64 tokens costs about as much as one token; on a CPU the cost grows with T, and not even
+    monotonically (BLAS kernels switch blocking at some sizes: on a 2-core x86 machine 6 tokens were measured cheaper
+    than 3). Lookahead decoding pays only when the tokens a step accepts outgrow what the step costs, so the adaptive
+    policy reads this table instead of assuming either regime.
+
+    Args:
+        relative_costs (`dict[int, float]`): cost of a step of T tokens divided by the cost of one token.
+    """
+
+    def __init__(self, relative_costs: dict[int, float]):
+        self.lengths = sorted(relative_costs)
+        self.costs = [relative_costs[t] for t in self.lengths]
+
+    def __call__(self, length: int) -> float:
+        """The cost of a step of `length` tokens, in one-token steps (linear between measured lengths)."""
+        lengths, costs = self.lengths, self.costs
+        if length <= lengths[0]:
+            return costs[0]
+        for i in range(1, len(lengths)):
+            if length <= lengths[i]:
+                frac = (length - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
+                return costs[i - 1] + frac * (costs[i] - costs[i - 1])
+        slope = (costs[-1] - costs[-2]) / (lengths[-1] - lengths[-2])
+        return costs[-1] + slope * (length - lengths[-1])
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, cache_dir: str | os.PathLike | None = None) -> StepCostModel:
+        """
+        The cost table of `model` on its device and dtype: read from the cache directory, or measured (a few dozen
+        forward passes) and written there.
+
+        Args:
+            model (`PreTrainedModel`): the model.
+            cache_dir (`str` or `os.PathLike`, *optional*): where tables are kept; `default_cache_dir()` if unset.
+        """
+        path = Path(cache_dir or default_cache_dir()) / f"step-cost-{_model_key(model)}.json"
+        if path.is_file():
+            try:
+                return cls({int(k): v for k, v in json.loads(path.read_text())["relative_costs"].items()})
+            except (ValueError, KeyError, OSError):
+                pass  # A corrupt or foreign file is measured again and replaced.
+        costs = measure_step_costs(model)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"relative_costs": costs}, indent=1))
+        except OSError:
+            pass  # A read-only home still decodes; it only measures again next time.
+        return cls(costs)
+
+
+def _model_key(model: PreTrainedModel) -> str:
+    config = model.config
+    parts = [
+        type(model).__name__,
+        str(getattr(config, "_name_or_path", "")),
+        str(sum(p.numel() for p in model.parameters())),
+        str(model.dtype),
+        str(model.device.type),
+        torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
+        str(torch.get_num_threads()),
+        config._attn_implementation or "",
+    ]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def measure_step_costs(model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID) -> dict[int, float]:
+    """
+    Times one forward pass per step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
+    logits (as a lookahead step has), and returns each median divided by the one-token median.
+
+    Args:
+        model (`PreTrainedModel`): the model.
+        grid (`tuple[int]`): the step lengths to measure, 1 first.
+    """
+    device, dtype = model.device, model.dtype
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (1, _CONTEXT + max(grid)), generator=generator).to(device)
+    cache = DynamicCache(config=model.config)
+    cache_kwargs = {cache_argument(model): cache}
+    model(input_ids=ids[:, :_CONTEXT], use_cache=True, **cache_kwargs)
+    min_value = torch.finfo(dtype).min
+
+    def timed(length: int) -> float:
+        mask = torch.zeros(1, 1, length, _CONTEXT + length, dtype=dtype, device=device)
+        mask[0, 0, :, _CONTEXT:] = torch.full((length, length), min_value, dtype=dtype, device=device).triu(1)
+        positions = torch.arange(_CONTEXT, _CONTEXT + length, device=device)[None]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = model(
+            input_ids=ids[:, _CONTEXT : _CONTEXT + length],
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **cache_kwargs,
+        )
+        out.logits.argmax(-1).tolist()
+        elapsed = time.perf_counter() - start
+        cache.crop(-length)
+        return elapsed
+
+    for length in grid[:3]:
+        timed(length)  # warm-up: first calls allocate and pick kernels
+    medians = {length: statistics.median(timed(length) for _ in range(_REPEATS)) for length in grid}
+    base = medians[grid[0]]
+    return {length: medians[length] / base for length in grid}

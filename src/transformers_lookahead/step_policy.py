@@ -1,0 +1,127 @@
+"""What goes into each step: the window or not, and which candidate nodes."""
+
+from __future__ import annotations
+
+from .cost_model import StepCostModel
+from .ngram_pool import TokenTree
+from .verification import Verdict
+
+
+def choose_window(cost: StepCostModel, levels: int, max_window: int, budget: float = 1.25) -> int:
+    """
+    The window `lookahead_window="auto"` uses: the widest one (up to `max_window`) that makes a step carrying one
+    candidate path cost at most `budget` times that step without the window. Wide on a GPU, narrow on a CPU.
+
+    Args:
+        cost (`StepCostModel`): forward cost against step length.
+        levels (`int`): N - 1, the window's levels and the length of a candidate path.
+        max_window (`int`): the widest window considered.
+        budget (`float`): the cost ratio allowed for the window.
+    """
+    base = 1 + levels
+    fitting = [w for w in range(1, max_window + 1) if cost(base + w * levels) <= budget * cost(base)]
+    return max(fitting, default=1)
+
+
+class StaticStepPolicy:
+    """Every step holds the whole window and every candidate, as in the paper: the step shape is fixed."""
+
+    def plan(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> tuple[bool, TokenTree]:
+        """
+        Args:
+            tree (`TokenTree`): every candidate the pool holds for the last accepted token.
+            window_allowed (`bool`): whether the window fits in the model's positions.
+            pending_length (`int`): tokens the step must feed anyway.
+
+        Returns:
+            `tuple[bool, TokenTree]`: whether to run the window, and the candidates to verify.
+        """
+        return window_allowed, tree
+
+    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
+        """Learns from a finished step (nothing to learn for a fixed shape)."""
+
+
+class AdaptiveStepPolicy(StaticStepPolicy):
+    """
+    Picks each step's content to maximise expected accepted tokens per unit of forward-pass time.
+
+    - Expected tokens: the step always yields 1 token, plus, for each verified node, the probability that the node
+      lies on the accepted path. That probability is the product, down the node's path, of `q[d]` (how often some
+      candidate at depth d matched once its parent was accepted, a running estimate) times the node's share of the
+      pooled continuations among its siblings.
+    - Window: adds `window_gain`, the tokens accepted per window step from n-grams only the window had found
+      (a running estimate with an optimistic start, re-probed after `probe_every` steps without the window).
+    - Cost: `StepCostModel` of the step length.
+
+    With the nodes sorted by probability, every prefix is a valid subtree (a child is never likelier than its
+    parent), so one pass over the prefixes, with and without the window, finds the best step.
+
+    Args:
+        cost (`StepCostModel`): forward cost against step length on this device.
+        window_length (`int`): tokens the window adds to a step (W x (N - 1)).
+        levels (`int`): N - 1, the deepest candidate.
+        decay (`float`): weight kept by the running estimates at each step.
+        probe_every (`int`): steps without the window after which one window step is forced.
+    """
+
+    def __init__(
+        self, cost: StepCostModel, window_length: int, levels: int, decay: float = 0.95, probe_every: int = 32
+    ):
+        self.cost = cost
+        self.window_length = window_length
+        self.decay = decay
+        self.probe_every = probe_every
+        self.match_rate = [0.5] * (levels + 1)
+        self._window_credit, self._window_steps = 1.0, 1.0
+        self._steps_without_window = 0
+
+    @property
+    def window_gain(self) -> float:
+        return self._window_credit / max(self._window_steps, 1.0)
+
+    def plan(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> tuple[bool, TokenTree]:
+        probability = self.node_probabilities(tree)
+        order = sorted(range(len(tree)), key=lambda node: -probability[node])
+        options = [False, True] if window_allowed else [False]
+        best = (0.0, False, 0)
+        for use_window in options:
+            gain = 1.0 + (self.window_gain if use_window else 0.0)
+            base = pending_length + (self.window_length if use_window else 0)
+            expected = gain
+            for count in range(len(order) + 1):
+                if count:
+                    expected += probability[order[count - 1]]
+                rate = expected / self.cost(base + count)
+                if rate > best[0]:
+                    best = (rate, use_window, count)
+        _, use_window, count = best
+        if window_allowed and not use_window and self._steps_without_window >= self.probe_every:
+            use_window = True
+        return use_window, tree.subtree(order[:count])
+
+    def node_probabilities(self, tree: TokenTree) -> list[float]:
+        """The estimated probability that each node of `tree` is accepted."""
+        sibling_counts: dict[int, int] = {}
+        for parent, count in zip(tree.parents, tree.counts):
+            sibling_counts[parent] = sibling_counts.get(parent, 0) + count
+        probability = []
+        for node, (parent, depth) in enumerate(zip(tree.parents, tree.depths)):
+            above = probability[parent] if parent >= 0 else 1.0
+            share = tree.counts[node] / sibling_counts[parent]
+            probability.append(above * self.match_rate[depth] * share)
+        return probability
+
+    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
+        node, matched = -1, verdict.nodes
+        for depth in range(1, len(matched) + 2):
+            if not tree.children[node + 1]:
+                break
+            hit = float(depth <= len(matched))
+            self.match_rate[depth] += (1 - self.decay) * (hit - self.match_rate[depth])
+            if not hit:
+                break
+            node = matched[depth - 1]
+        self._window_credit = self.decay * self._window_credit + window_credit
+        self._window_steps = self.decay * self._window_steps + float(window_used)
+        self._steps_without_window = 0 if window_used else self._steps_without_window + 1
