@@ -11,6 +11,11 @@ from .step_layout import AttentionGroup
 
 
 
+def layer_types(model) -> list[str] | None:
+    """`config.layer_types` of the model's decoder: the keys its forward expects in a dict of masks."""
+    return getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+
+
 def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, AttentionGroup] | AttentionGroup:
     """
     Groups the cache layers by the attention mask they need.

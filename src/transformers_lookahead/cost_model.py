@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .cache_commit import attention_groups, layer_types
+from .ngram_pool import TokenTree
+from .step_layout import StepLayout
+
 # Step lengths the cost is measured at; lengths in between are interpolated.
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 _CONTEXT = 128
@@ -115,19 +119,18 @@ def measure_step_costs(model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID
     cache = DynamicCache(config=model.config)
     cache_kwargs = {cache_argument(model): cache}
     model(input_ids=ids[:, :_CONTEXT], use_cache=True, **cache_kwargs)
-    min_value = torch.finfo(dtype).min
+    cache.activate_past_recording()  # sliding layers can then be cropped back after each timed step
+    layout = StepLayout(1, 1, attention_groups(cache, layer_types(model)), dtype, device)
 
     def timed(length: int) -> float:
-        mask = torch.zeros(1, 1, length, _CONTEXT + length, dtype=dtype, device=device)
-        mask[0, 0, :, _CONTEXT:] = torch.full((length, length), min_value, dtype=dtype, device=device).triu(1)
-        positions = torch.arange(_CONTEXT, _CONTEXT + length, device=device)[None]
+        step = layout.build(cache, ids[0, _CONTEXT : _CONTEXT + length], _CONTEXT + length - 1, None, TokenTree())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         out = model(
-            input_ids=ids[:, _CONTEXT : _CONTEXT + length],
-            position_ids=positions,
-            attention_mask=mask,
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            attention_mask=step.attention_mask,
             use_cache=True,
             **cache_kwargs,
         )

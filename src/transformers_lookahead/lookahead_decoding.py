@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache_commit import CacheCommitter, attention_groups
+from .cache_commit import CacheCommitter, attention_groups, layer_types
 from .cost_model import StepCostModel, cache_argument
 from .configuration_lookahead import AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
 from .lookahead_window import LookaheadWindow
@@ -175,7 +176,7 @@ class LookaheadDecoder:
         layout = StepLayout(
             self.window_size,
             config.levels,
-            attention_groups(cache, getattr(model.config.get_text_config(decoder=True), "layer_types", None)),
+            attention_groups(cache, layer_types(model)),
             model.dtype,
             input_ids.device,
         )
@@ -191,10 +192,13 @@ class LookaheadDecoder:
             use_window, tree = self.policy.plan(pool.tree(tokens[-1], depth), window_allowed, pending.shape[0])
             step = layout.build(cache, pending, position, window.flat() if use_window else None, tree)
 
+            started = time.perf_counter()
             logits = self._forward(step)
             forward_passes += 1
             tree_row = 1 + (self.window_size if use_window else 0)
             verdict = verifier.verify(logits, tree, tree_row, input_ids, max_length - length)
+            # `verify` reads the choices on the host, so on accelerators too the step has finished here.
+            self.policy.observe_duration(step.length, time.perf_counter() - started)
             input_ids, kept, done = self._append(input_ids, verdict.tokens, verdict.logits, verdict.scores)
             accepted_per_step.append(kept)
             self._stream(streamer, input_ids, kept)

@@ -41,6 +41,9 @@ class StaticStepPolicy:
     def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
         """Learns from a finished step (nothing to learn for a fixed shape)."""
 
+    def observe_duration(self, length: int, seconds: float) -> None:
+        """Learns from the measured duration of a step (nothing to learn for a fixed shape)."""
+
 
 class AdaptiveStepPolicy(StaticStepPolicy):
     """
@@ -49,10 +52,14 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     - Expected tokens: the step always yields 1 token, plus, for each verified node, the probability that the node
       lies on the accepted path. That probability is the product, down the node's path, of `q[d]` (how often some
       candidate at depth d matched once its parent was accepted, a running estimate) times the node's share of the
-      pooled continuations among its siblings.
+      pooled continuations among its siblings. `q` is learnt from every step's *whole* candidate tree, checked
+      against the tokens the step accepted, so candidates the policy left out still teach it (every step reveals
+      at least depth 1): a run of misses cannot shut verification off for good.
     - Window: adds `window_gain`, the tokens accepted per window step from n-grams only the window had found
       (a running estimate with an optimistic start, re-probed after `probe_every` steps without the window).
-    - Cost: `StepCostModel` of the step length.
+    - Cost: `StepCostModel` of the step length, its excess over a one-token step rescaled by a running factor
+      learnt from the measured duration of the steps of this call (tables measured on an idle machine drift when
+      the load or the context length changes).
 
     With the nodes sorted by probability, every prefix is a valid subtree (a child is never likelier than its
     parent), so one pass over the prefixes, with and without the window, finds the best step.
@@ -66,21 +73,57 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     """
 
     def __init__(
-        self, cost: StepCostModel, window_length: int, levels: int, decay: float = 0.95, probe_every: int = 32
+        self, cost: StepCostModel, window_length: int, levels: int, decay: float = 0.9, probe_every: int = 32
     ):
         self.cost = cost
         self.window_length = window_length
         self.decay = decay
         self.probe_every = probe_every
-        self.match_rate = [0.5] * (levels + 1)
-        self._window_credit, self._window_steps = 1.0, 1.0
+        self.match_rate = [0.3] * (levels + 1)
+        self._window_credit, self._window_steps = 0.5, 1.0
         self._steps_without_window = 0
+        self._levels = levels
+        self._pending_trees: list[tuple[int, TokenTree]] = []
+        self._single_token_seconds: float | None = None
+        self._excess_scale = 1.0
+
+    def step_cost(self, length: int) -> float:
+        """The expected cost of a step of `length` tokens, in one-token steps."""
+        return 1.0 + (self.cost(length) - 1.0) * self._excess_scale
+
+    def observe_duration(self, length: int, seconds: float) -> None:
+        """
+        Learns from the measured duration of a step.
+
+        Args:
+            length (`int`): the step's length T.
+            seconds (`float`): the time from the start of its forward pass to its verified tokens.
+        """
+        if length == 1:
+            previous = self._single_token_seconds
+            self._single_token_seconds = seconds if previous is None else previous + 0.2 * (seconds - previous)
+        elif self._single_token_seconds is not None and self.cost(length) > 1.0:
+            measured = (seconds / self._single_token_seconds - 1.0) / (self.cost(length) - 1.0)
+            self._excess_scale += 0.2 * (min(max(measured, 0.25), 4.0) - self._excess_scale)
+
+    def _learn_matches(self, tree: TokenTree, continuation: list[int]) -> None:
+        node = -1
+        for depth, token in enumerate(continuation[: self._levels], start=1):
+            children = tree.children[node + 1]
+            if not children:
+                return
+            child = children.get(token)
+            self.match_rate[depth] += (1 - self.decay) * (float(child is not None) - self.match_rate[depth])
+            if child is None:
+                return
+            node = child
 
     @property
     def window_gain(self) -> float:
         return self._window_credit / max(self._window_steps, 1.0)
 
     def plan(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> tuple[bool, TokenTree]:
+        self._pending_trees.append(tree)
         probability = self.node_probabilities(tree)
         order = sorted(range(len(tree)), key=lambda node: -probability[node])
         options = [False, True] if window_allowed else [False]
@@ -92,7 +135,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             for count in range(len(order) + 1):
                 if count:
                     expected += probability[order[count - 1]]
-                rate = expected / self.cost(base + count)
+                rate = expected / self.step_cost(base + count)
                 if rate > best[0]:
                     best = (rate, use_window, count)
         _, use_window, count = best
@@ -113,15 +156,9 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         return probability
 
     def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
-        node, matched = -1, verdict.nodes
-        for depth in range(1, len(matched) + 2):
-            if not tree.children[node + 1]:
-                break
-            hit = float(depth <= len(matched))
-            self.match_rate[depth] += (1 - self.decay) * (hit - self.match_rate[depth])
-            if not hit:
-                break
-            node = matched[depth - 1]
+        # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
+        full_tree = self._pending_trees.pop()
+        self._learn_matches(full_tree, verdict.tokens)
         self._window_credit = self.decay * self._window_credit + window_credit
         self._window_steps = self.decay * self._window_steps + float(window_used)
         self._steps_without_window = 0 if window_used else self._steps_without_window + 1
