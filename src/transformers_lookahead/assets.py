@@ -115,7 +115,9 @@ def held_out_prompts(dataset: str, cache_dir: str | Path | None = None) -> list[
     """The prompts of `dataset` outside its tuning split (see `tuning_prompts`)."""
     tuning = {prompt_id for prompt_id, _, _ in tuning_prompts(dataset, cache_dir)}
     if dataset == "mt_bench":
-        everything = [(f"mt_bench/{q['question_id']}", q["category"], q["turns"][0]) for q in mtbench_questions(cache_dir)]
+        everything = [
+            (f"mt_bench/{q['question_id']}", q["category"], q["turns"][0]) for q in mtbench_questions(cache_dir)
+        ]
     else:
         everything = [(p["task_id"], "humaneval", p["prompt"]) for p in humaneval_problems(cache_dir)]
     return [item for item in everything if item[0] not in tuning]

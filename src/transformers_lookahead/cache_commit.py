@@ -10,7 +10,6 @@ from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 from .step_layout import AttentionGroup
 
 
-
 def layer_types(model) -> list[str] | None:
     """`config.layer_types` of the model's decoder: the keys its forward expects in a dict of masks."""
     return getattr(model.config.get_text_config(decoder=True), "layer_types", None)

@@ -120,7 +120,7 @@ class LookaheadConfig:
             if unused:
                 raise ValueError(
                     f"{', '.join(f'`{name}`' for name in unused)} set without `lookahead_window`: set "
-                    "`lookahead_window` (an int >= 1, or \"auto\") to turn lookahead decoding on."
+                    '`lookahead_window` (an int >= 1, or "auto") to turn lookahead decoding on.'
                 )
             return None
         return cls(
@@ -134,7 +134,7 @@ class LookaheadConfig:
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum} or \"auto\", got {value!r}.")
+        raise ValueError(f'`{name}` must be an integer >= {minimum} or "auto", got {value!r}.')
 
 
 def validate_lookahead_setup(

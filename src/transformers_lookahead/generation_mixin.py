@@ -31,6 +31,14 @@ class LookaheadGenerationMixin:
     ):
         return generate_with_lookahead(self, inputs, generation_config, **kwargs)
 
+    def save_pretrained(self, *args: Any, **kwargs: Any):
+        # `GenerationConfig.from_pretrained` drops custom fields from configs flagged as derived from the model
+        # config (what a model built from a config carries); once lookahead fields are set the config is the user's.
+        config = self.generation_config
+        if config._from_model_config and any(getattr(config, field, None) is not None for field in LOOKAHEAD_FIELDS):
+            config._from_model_config = False
+        return super().save_pretrained(*args, **kwargs)
+
 
 def generate_with_lookahead(
     model: PreTrainedModel,
@@ -96,7 +104,9 @@ def enable_lookahead(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if cls not in _LOOKAHEAD_CLASSES:
         _LOOKAHEAD_CLASSES[cls] = type(
-            cls.__name__, (LookaheadGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            cls.__name__,
+            (LookaheadGenerationMixin, cls),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
         )
     model.__class__ = _LOOKAHEAD_CLASSES[cls]
     return model

@@ -12,8 +12,8 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_commit import CacheCommitter, attention_groups, layer_types
-from .cost_model import StepCostModel, cache_argument
 from .configuration_lookahead import AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
+from .cost_model import StepCostModel, cache_argument
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import NGramPool
 from .step_layout import StepLayout

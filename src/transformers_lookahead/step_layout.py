@@ -90,7 +90,9 @@ class StepLayout:
         column = torch.arange(window, device=device).repeat(levels)
         self.window_offsets = 1 + level + column
         sees_first_level = (level[None, :] == 0) & (column[None, :] <= column[:, None])
-        sees_own_column = (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
+        sees_own_column = (
+            (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
+        )
         self.window_block = sees_first_level | sees_own_column
         self.top_rows = torch.arange((levels - 1) * window, levels * window, device=device)
 
@@ -143,12 +145,16 @@ class StepLayout:
                 path = tree.ancestors(node)
                 rows.extend([node] * len(path))
                 cols.extend(path)
-            visible[tree_start + torch.tensor(rows, device=device), tree_start + torch.tensor(cols, device=device)] = True
+            visible[tree_start + torch.tensor(rows, device=device), tree_start + torch.tensor(cols, device=device)] = (
+                True
+            )
 
         if isinstance(self.groups, AttentionGroup):
             attention_mask = self._mask(cache, self.groups, visible, positions)
         else:
-            attention_mask = {name: self._mask(cache, group, visible, positions) for name, group in self.groups.items()}
+            attention_mask = {
+                name: self._mask(cache, group, visible, positions) for name, group in self.groups.items()
+            }
 
         rows = [torch.tensor([k - 1], device=device)]
         if window_tokens is not None:

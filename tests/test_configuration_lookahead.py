@@ -1,0 +1,68 @@
+import tempfile
+import unittest
+
+from parameterized import parameterized
+from transformers import GenerationConfig
+
+from transformers_lookahead import LookaheadConfig
+
+
+class LookaheadConfigTest(unittest.TestCase):
+    def test_defaults_when_only_window_is_given(self):
+        config = LookaheadConfig.from_sources({"lookahead_window": 7})
+        self.assertEqual((config.window, config.ngram, config.guess), (7, 5, 7))
+        self.assertTrue(config.pool_from_prompt)
+        self.assertEqual(config.cache_commit, "gather")
+        self.assertEqual(config.levels, 4)
+        self.assertFalse(config.adaptive)
+
+    def test_auto(self):
+        config = LookaheadConfig.from_sources({"lookahead_window": "auto"})
+        self.assertTrue(config.adaptive)
+        self.assertEqual((config.ngram, config.guess), (5, 8))
+        config = LookaheadConfig.from_sources(
+            {"lookahead_window": 3, "lookahead_ngram": "auto", "lookahead_guess": "auto"}
+        )
+        self.assertEqual((config.window, config.ngram, config.guess), (3, 5, 8))
+
+    def test_no_window_means_off(self):
+        self.assertIsNone(LookaheadConfig.from_sources({}, GenerationConfig()))
+
+    def test_fields_without_window_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "`lookahead_ngram` set without `lookahead_window`"):
+            LookaheadConfig.from_sources({"lookahead_ngram": 3})
+
+    def test_priority_of_sources(self):
+        generation_config = GenerationConfig(lookahead_window=3, lookahead_ngram=4)
+        config = LookaheadConfig.from_sources({"lookahead_window": 9, "lookahead_guess": None}, generation_config)
+        self.assertEqual((config.window, config.ngram, config.guess), (9, 4, 9))
+
+    @parameterized.expand(
+        [
+            ("lookahead_window", 0, "`lookahead_window` must be an integer >= 1"),
+            ("lookahead_window", -3, "`lookahead_window` must be an integer >= 1"),
+            ("lookahead_window", 2.5, "`lookahead_window` must be an integer >= 1"),
+            ("lookahead_window", "big", "`lookahead_window` must be an integer >= 1"),
+            ("lookahead_window", True, "`lookahead_window` must be an integer >= 1"),
+            ("lookahead_ngram", 1, "`lookahead_ngram` must be an integer >= 2"),
+            ("lookahead_ngram", 3.0, "`lookahead_ngram` must be an integer >= 2"),
+            ("lookahead_guess", -1, "`lookahead_guess` must be an integer >= 0"),
+            ("lookahead_pool_from_prompt", "yes", "`lookahead_pool_from_prompt` must be a bool"),
+            ("lookahead_cache_commit", "copy", "`lookahead_cache_commit` must be one of"),
+        ]
+    )
+    def test_invalid_values(self, field, value, message):
+        sources = {"lookahead_window": 4, field: value}
+        with self.assertRaisesRegex(ValueError, message) as context:
+            LookaheadConfig.from_sources(sources)
+        self.assertIn(repr(value), str(context.exception))
+
+    def test_generation_config_round_trip(self):
+        generation_config = GenerationConfig(
+            lookahead_window=7, lookahead_ngram=4, lookahead_guess=6, lookahead_pool_from_prompt=False
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            generation_config.save_pretrained(tmp)
+            loaded = GenerationConfig.from_pretrained(tmp)
+        config = LookaheadConfig.from_sources(loaded)
+        self.assertEqual((config.window, config.ngram, config.guess, config.pool_from_prompt), (7, 4, 6, False))

@@ -1,0 +1,151 @@
+import tempfile
+import unittest
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, pipeline
+
+import transformers_lookahead
+from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadGenerationMixin, enable_lookahead
+
+from .utils import VOCAB, random_prompt, tiny_model
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary: token i is the word `w{i}`."""
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>")
+
+
+PROMPT_TEXT = " ".join(f"w{i}" for i in [5, 9, 33, 12, 5, 9, 33, 40, 41, 7, 5, 9])
+
+
+class EnableLookaheadTest(unittest.TestCase):
+    def test_enable_is_per_object_and_idempotent(self):
+        model, other = tiny_model("llama"), tiny_model("llama")
+        original = type(model)
+        self.assertIs(enable_lookahead(model), model)
+        self.assertIsInstance(model, LookaheadGenerationMixin)
+        self.assertIsInstance(model, original)
+        self.assertEqual(type(model).__name__, original.__name__)
+        self.assertNotIsInstance(other, LookaheadGenerationMixin)
+        cls = type(model)
+        enable_lookahead(model)
+        self.assertIs(type(model), cls)
+        self.assertIs(type(enable_lookahead(other)), cls, "one subclass per model class")
+
+    def test_save_pretrained_writes_the_original_architecture(self):
+        model = enable_lookahead(tiny_model("llama"))
+        model.generation_config.lookahead_window = 6
+        model.generation_config.lookahead_ngram = 3
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp)
+            config = GenerationConfig.from_pretrained(tmp)
+        self.assertEqual(reloaded.config.architectures, ["LlamaForCausalLM"])
+        self.assertNotIsInstance(reloaded, LookaheadGenerationMixin)
+        self.assertEqual((config.lookahead_window, config.lookahead_ngram), (6, 3))
+        prompt = random_prompt(20, seed=2)
+        expected = reloaded.generate(prompt, max_new_tokens=20, do_sample=False)
+        out = enable_lookahead(reloaded).generate(
+            prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True
+        )
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput, "the saved lookahead fields are picked up")
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+    def test_rejects_non_generative_objects(self):
+        with self.assertRaisesRegex(TypeError, "generative `PreTrainedModel`"):
+            enable_lookahead(torch.nn.Linear(2, 2))
+
+
+class CustomGenerateTest(unittest.TestCase):
+    def test_callable_on_a_model_that_was_not_enabled(self):
+        model = tiny_model("qwen2")
+        prompt = random_prompt(24, seed=1)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        out = model.generate(
+            prompt,
+            max_new_tokens=30,
+            do_sample=False,
+            custom_generate=transformers_lookahead.generate,
+            lookahead_window=4,
+            lookahead_ngram=3,
+            return_dict_in_generate=True,
+        )
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+    def test_hub_folder(self):
+        model = tiny_model("qwen2")
+        prompt = random_prompt(24, seed=1)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        out = model.generate(
+            prompt,
+            max_new_tokens=30,
+            do_sample=False,
+            custom_generate=transformers_lookahead.HUB_FOLDER,
+            trust_remote_code=True,
+            lookahead_window=4,
+            return_dict_in_generate=True,
+        )
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+
+class PipelineTest(unittest.TestCase):
+    def setUp(self):
+        self.model = enable_lookahead(tiny_model("llama"))
+        self.tokenizer = tiny_tokenizer()
+
+    def test_pipeline_with_lookahead_argument(self):
+        pipe = pipeline("text-generation", model=self.model, tokenizer=self.tokenizer)
+        expected = pipe(PROMPT_TEXT, do_sample=False, max_new_tokens=20)
+        out = pipe(PROMPT_TEXT, do_sample=False, max_new_tokens=20, lookahead_window=4)
+        self.assertEqual(out, expected)
+        self.assertGreater(len(out[0]["generated_text"]), len(PROMPT_TEXT))
+
+    def test_pipeline_with_generation_config_fields(self):
+        pipe = pipeline("text-generation", model=self.model, tokenizer=self.tokenizer)
+        expected = pipe(PROMPT_TEXT, do_sample=False, max_new_tokens=20)
+        self.model.generation_config.lookahead_window = 4
+        try:
+            out = pipe(PROMPT_TEXT, do_sample=False, max_new_tokens=20)
+            with self.assertRaisesRegex(ValueError, "greedy decoding only"):
+                pipe(PROMPT_TEXT, max_new_tokens=5)  # the pipeline samples by default
+        finally:
+            del self.model.generation_config.lookahead_window
+        self.assertEqual(out, expected)
+
+
+class PropertyTest(unittest.TestCase):
+    models = {name: enable_lookahead(tiny_model(name)) for name in ("llama", "gpt2", "gemma3")}
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        name=st.sampled_from(["llama", "gpt2", "gemma3"]),
+        window=st.integers(1, 8),
+        ngram=st.integers(2, 6),
+        guess=st.integers(0, 8),
+        prompt_length=st.integers(1, 40),
+        seed=st.integers(0, 1000),
+        new_tokens=st.integers(1, 40),
+        commit=st.sampled_from(["gather", "refeed"]),
+    )
+    def test_identical_to_greedy(self, name, window, ngram, guess, prompt_length, seed, new_tokens, commit):
+        model = self.models[name]
+        prompt = random_prompt(prompt_length, seed=seed)
+        expected = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            lookahead_window=window,
+            lookahead_ngram=ngram,
+            lookahead_guess=guess,
+            lookahead_cache_commit=commit,
+        )
+        self.assertTrue(torch.equal(out, expected))

@@ -1,0 +1,262 @@
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import LogitsProcessor
+from transformers.generation.streamers import BaseStreamer
+
+from transformers_lookahead import LookaheadDecoderOnlyOutput, enable_lookahead
+
+from .utils import TINY_CONFIGS, random_prompt, tiny_model
+
+# (W, N, G): the smallest step, lade's settings, a window without a pool, large values, and the adaptive policy
+STEP_SHAPES = [(1, 2, 0), (4, 3, 4), (7, 5, 7), (3, 4, 0), (15, 5, 15), ("auto", 5, None)]
+ARCHITECTURES = [(name, attn) for name in TINY_CONFIGS for attn in ("eager", "sdpa")]
+
+
+def _lookahead(model, prompt, **kwargs):
+    return model.generate(prompt, do_sample=False, return_dict_in_generate=True, **kwargs)
+
+
+class LookaheadExactnessTest(unittest.TestCase):
+    @parameterized.expand(ARCHITECTURES)
+    def test_identical_to_greedy(self, name, attn):
+        model = enable_lookahead(tiny_model(name, attn))
+        prompt = random_prompt(24, seed=1)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        for window, ngram, guess in STEP_SHAPES:
+            with self.subTest(window=window, ngram=ngram, guess=guess):
+                out = _lookahead(
+                    model,
+                    prompt,
+                    max_new_tokens=40,
+                    lookahead_window=window,
+                    lookahead_ngram=ngram,
+                    lookahead_guess=guess,
+                )
+                self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+                self.assertTrue(torch.equal(out.sequences, expected))
+                self.assertEqual(sum(out.accepted_per_step) + 1, 40)
+                self.assertEqual(out.num_forward_passes, len(out.accepted_per_step) + 1)
+
+    @parameterized.expand([("gather",), ("refeed",)])
+    def test_cache_commit_strategies(self, strategy):
+        model = enable_lookahead(tiny_model("qwen2_hybrid"))
+        prompt = random_prompt(30, seed=2)
+        expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
+        out = _lookahead(model, prompt, max_new_tokens=60, lookahead_window=4, lookahead_cache_commit=strategy)
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.assertLess(out.num_forward_passes, 60, "the test text must let lookahead accept something")
+
+    @parameterized.expand([(1,), (2,), (3,)])
+    def test_prompt_shorter_than_ngram(self, length):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(length, seed=4)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        out = _lookahead(model, prompt, max_new_tokens=30, lookahead_window=5, lookahead_ngram=5)
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+    def test_max_new_tokens_one(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(10)
+        out = _lookahead(model, prompt, max_new_tokens=1, lookahead_window=4)
+        self.assertTrue(torch.equal(out.sequences, model.generate(prompt, max_new_tokens=1, do_sample=False)))
+        self.assertEqual(out.num_forward_passes, 1)
+
+    def test_length_limits_ending_inside_an_accepted_chunk(self):
+        model = enable_lookahead(tiny_model("qwen3"))
+        prompt = random_prompt(24, seed=1)
+        full = _lookahead(model, prompt, max_new_tokens=40, lookahead_window=4)
+        # Find a step that accepted several tokens and stop in its middle.
+        done, cut = 1, None
+        for accepted in full.accepted_per_step:
+            if accepted > 1:
+                cut = done + 1
+                break
+            done += accepted
+        self.assertIsNotNone(cut, "the test text must contain a multi-token step")
+        expected = model.generate(prompt, max_new_tokens=cut, do_sample=False)
+        out = _lookahead(model, prompt, max_new_tokens=cut, lookahead_window=4)
+        self.assertTrue(torch.equal(out.sequences, expected))
+        out = _lookahead(model, prompt, max_length=24 + cut, lookahead_window=4)
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+    @parameterized.expand([(False,), (True,)])
+    def test_eos_inside_an_accepted_chunk(self, as_list):
+        model = enable_lookahead(tiny_model("qwen3"))
+        prompt = random_prompt(24, seed=1)
+        full = _lookahead(model, prompt, max_new_tokens=40, lookahead_window=4)
+        generated = full.sequences[0, 24:].tolist()
+        done = 1
+        for accepted in full.accepted_per_step:
+            if accepted > 1:
+                break
+            done += accepted
+        # The first token of that chunk that has not appeared before is a stop the decoder meets mid-chunk.
+        eos = next(t for t in generated[done : done + 2] if t not in generated[:done])
+        eos_ids = [eos, 95] if as_list else eos
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=eos_ids)
+        out = _lookahead(model, prompt, max_new_tokens=40, lookahead_window=4, eos_token_id=eos_ids)
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.assertEqual(out.sequences[0, -1].item(), eos)
+
+    def test_learned_positions_near_their_limit(self):
+        model = enable_lookahead(tiny_model("gpt2"))
+        model.config.n_positions = 48  # GPT-2 cannot embed positions past this: guesses must stay below it
+        model.transformer.wpe.weight.data = model.transformer.wpe.weight.data[:48]
+        prompt = random_prompt(20, seed=1)
+        expected = model.generate(prompt, max_length=48, do_sample=False)
+        out = _lookahead(model, prompt, max_length=48, lookahead_window=7)
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+class LookaheadGenerateBehaviourTest(unittest.TestCase):
+    def setUp(self):
+        self.model = enable_lookahead(tiny_model("llama"))
+        self.prompt = random_prompt(24, seed=1)
+
+    def test_default_generate_is_untouched(self):
+        out = self.model.generate(self.prompt, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+        self.assertNotIsInstance(out, LookaheadDecoderOnlyOutput)
+
+    def test_generation_config_fields(self):
+        expected = self.model.generate(self.prompt, max_new_tokens=30, do_sample=False)
+        config = GenerationConfig(lookahead_window=4, max_new_tokens=30, return_dict_in_generate=True)
+        out = self.model.generate(self.prompt, generation_config=config)
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.model.generation_config.lookahead_window = 4
+        try:
+            out = self.model.generate(self.prompt, max_new_tokens=30, return_dict_in_generate=True)
+        finally:
+            del self.model.generation_config.lookahead_window
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+        self.assertTrue(torch.equal(out.sequences, expected))
+
+    def test_output_scores_and_logits(self):
+        kwargs = {"max_new_tokens": 25, "do_sample": False, "return_dict_in_generate": True}
+        kwargs.update(output_scores=True, output_logits=True, repetition_penalty=1.3)
+        expected = self.model.generate(self.prompt, **kwargs)
+        out = self.model.generate(self.prompt, lookahead_window=4, **kwargs)
+        self.assertTrue(torch.equal(out.sequences, expected.sequences))
+        self.assertEqual(len(out.scores), 25)
+        self.assertEqual(len(out.logits), 25)
+        for got, want in zip(out.scores, expected.scores):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for got, want in zip(out.logits, expected.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        self.assertIsNotNone(out.cache)
+
+    @parameterized.expand(
+        [
+            ("repetition_penalty", {"repetition_penalty": 1.5}),
+            ("no_repeat_ngram_size", {"no_repeat_ngram_size": 2}),
+            ("bad_words_ids", {"bad_words_ids": [[5], [7, 8]]}),
+            ("sequence_bias", {"sequence_bias": {(9,): 3.0, (10, 11): -2.0}}),
+            ("suppress_tokens", {"suppress_tokens": [3, 4, 5]}),
+            ("begin_suppress_tokens", {"begin_suppress_tokens": [6]}),
+            ("min_new_tokens", {"min_new_tokens": 20, "eos_token_id": 9}),
+            ("forced_eos", {"forced_eos_token_id": 9, "max_new_tokens": 17}),
+            ("length_penalty_decay", {"exponential_decay_length_penalty": (5, 1.5), "eos_token_id": 9}),
+        ]
+    )
+    def test_logits_processors(self, _, processor_kwargs):
+        kwargs = {"max_new_tokens": 30, "do_sample": False, **processor_kwargs}
+        expected = self.model.generate(self.prompt, **kwargs)
+        out = self.model.generate(self.prompt, lookahead_window=4, lookahead_ngram=3, **kwargs)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_user_processor_and_prefix_allowed_tokens(self):
+        class Ban(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                scores = scores.clone()
+                scores[:, input_ids[0, -1] % 7 + 2] = -float("inf")
+                return scores
+
+        def allowed(batch_id, ids):
+            return list(range(2, 60)) if len(ids) % 2 else list(range(30, 96))
+
+        kwargs = {"max_new_tokens": 30, "do_sample": False}
+        kwargs.update(logits_processor=LogitsProcessorList([Ban()]), prefix_allowed_tokens_fn=allowed)
+        expected = self.model.generate(self.prompt, **kwargs)
+        out = self.model.generate(self.prompt, lookahead_window=4, **kwargs)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_custom_stopping_criteria(self):
+        class StopAfterToken(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.tensor([input_ids.shape[1] >= 24 + 13])
+
+        kwargs = {
+            "max_new_tokens": 30,
+            "do_sample": False,
+            "stopping_criteria": StoppingCriteriaList([StopAfterToken()]),
+        }
+        expected = self.model.generate(self.prompt, **kwargs)
+        out = self.model.generate(self.prompt, lookahead_window=4, **kwargs)
+        self.assertEqual(expected.shape[1], 24 + 13)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_streamer_receives_the_same_tokens(self):
+        plain, lookahead = RecordingStreamer(), RecordingStreamer()
+        self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, streamer=plain)
+        self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, streamer=lookahead, lookahead_window=4)
+        self.assertTrue(plain.ended and lookahead.ended)
+        self.assertEqual(lookahead.chunks[0], plain.chunks[0], "the prompt comes first")
+        self.assertEqual(sum(lookahead.chunks[1:], []), sum(plain.chunks[1:], []))
+
+    @parameterized.expand(
+        [
+            ("num_beams", {"num_beams": 2}, "cannot be combined with `num_beams`"),
+            ("prompt_lookup", {"prompt_lookup_num_tokens": 3}, "cannot be combined with `prompt_lookup_num_tokens`"),
+            ("sampling", {"do_sample": True}, "greedy decoding only"),
+            ("no_cache", {"use_cache": False}, "needs `use_cache=True`"),
+            ("static_cache", {"cache_implementation": "static"}, "cache_implementation='static' is not supported"),
+            ("return_sequences", {"num_return_sequences": 2}, "num_return_sequences"),
+            ("attentions", {"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
+            ("window", {"lookahead_window": 0}, '`lookahead_window` must be an integer >= 1 or "auto", got 0'),
+            ("ngram", {"lookahead_ngram": 1}, '`lookahead_ngram` must be an integer >= 2 or "auto", got 1'),
+            ("guess", {"lookahead_guess": -2}, '`lookahead_guess` must be an integer >= 0 or "auto", got -2'),
+        ]
+    )
+    def test_refused_settings(self, _, kwargs, message):
+        kwargs = {"lookahead_window": 4, "max_new_tokens": 5, **kwargs}
+        with self.assertRaisesRegex(ValueError, message):
+            self.model.generate(self.prompt, **kwargs)
+
+    def test_refused_batch(self):
+        with self.assertRaisesRegex(ValueError, "a batch of 2 rows"):
+            self.model.generate(torch.cat([self.prompt, self.prompt]), max_new_tokens=5, lookahead_window=4)
+
+    def test_refused_assistant(self):
+        with self.assertRaisesRegex(ValueError, "cannot be combined with `assistant_model`"):
+            self.model.generate(self.prompt, max_new_tokens=5, lookahead_window=4, assistant_model=tiny_model("llama"))
+
+    def test_refused_attention_backend(self):
+        model = enable_lookahead(tiny_model("llama"))
+        model.config._attn_implementation = "flash_attention_2"
+        with self.assertRaisesRegex(ValueError, "attn_implementation='flash_attention_2'.*'eager', 'sdpa'"):
+            model.generate(self.prompt, max_new_tokens=5, lookahead_window=4)
+
+    def test_refused_encoder_decoder(self):
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(
+            vocab_size=96, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, decoder_start_token_id=0
+        )
+        model = enable_lookahead(T5ForConditionalGeneration(config).eval())
+        with self.assertRaisesRegex(ValueError, "encoder-decoder model"):
+            model.generate(self.prompt, max_new_tokens=5, lookahead_window=4)

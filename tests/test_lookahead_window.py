@@ -1,0 +1,34 @@
+import unittest
+
+import torch
+
+from transformers_lookahead import LookaheadWindow
+
+
+class LookaheadWindowTest(unittest.TestCase):
+    def test_initial_guesses_come_from_the_prompt_and_are_reproducible(self):
+        prompt = torch.tensor([11, 12, 13, 14])
+        state = torch.random.get_rng_state()
+        first = LookaheadWindow(5, 3, prompt)
+        self.assertTrue(torch.equal(state, torch.random.get_rng_state()), "the user's RNG must not move")
+        second = LookaheadWindow(5, 3, prompt)
+        self.assertEqual(first.tokens.shape, (3, 5))
+        self.assertTrue(torch.equal(first.tokens, second.tokens))
+        self.assertTrue(set(first.flat().tolist()) <= set(prompt.tolist()))
+        self.assertEqual(len(first), 15)
+
+    def test_update_shifts_levels_and_yields_ngrams_after_warmup(self):
+        window = LookaheadWindow(2, 3, torch.tensor([1, 2, 3]))
+        self.assertEqual(window.update(torch.tensor([10, 20])), [])  # levels 0 and 1 still hold initial guesses
+        self.assertEqual(window.update(torch.tensor([11, 21])), [])
+        self.assertEqual(window.tokens[1:].tolist(), [[10, 20], [11, 21]])
+        ngrams = window.update(torch.tensor([12, 22]))
+        self.assertEqual(ngrams[0][1:], [10, 11, 12])
+        self.assertEqual(ngrams[1][1:], [20, 21, 22])
+        self.assertEqual(window.tokens.tolist(), [[10, 20], [11, 21], [12, 22]])
+        self.assertEqual(window.update(torch.tensor([13, 23])), [[10, 11, 12, 13], [20, 21, 22, 23]])
+
+    def test_two_gram_window_has_no_warmup(self):
+        window = LookaheadWindow(3, 1, torch.tensor([5]))
+        self.assertEqual(window.update(torch.tensor([1, 2, 3])), [[5, 1], [5, 2], [5, 3]])
+        self.assertEqual(window.tokens.tolist(), [[1, 2, 3]])

@@ -1,0 +1,84 @@
+import tempfile
+import unittest
+
+from transformers_lookahead import NGramPool
+from transformers_lookahead.cost_model import StepCostModel, measure_step_costs
+from transformers_lookahead.step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
+from transformers_lookahead.verification import Verdict
+
+from .utils import tiny_model
+
+FLAT = StepCostModel({1: 1.0, 64: 1.0})
+STEEP = StepCostModel({1: 1.0, 2: 1.5, 8: 2.0, 64: 8.0})
+
+
+def _tree():
+    pool = NGramPool(continuation_length=2, max_per_key=3)
+    pool.add(0, [1, 2])
+    pool.add(0, [1, 3])
+    pool.add(0, [4, 5])
+    return pool.tree(0, 2)
+
+
+class StepCostModelTest(unittest.TestCase):
+    def test_interpolation_and_extrapolation(self):
+        self.assertEqual(STEEP(1), 1.0)
+        self.assertAlmostEqual(STEEP(5), 1.75)
+        self.assertAlmostEqual(STEEP(36), 5.0)
+        self.assertAlmostEqual(STEEP(72), 8.0 + 8 * 6 / 56)
+
+    def test_measure_and_cache(self):
+        model = tiny_model("llama")
+        costs = measure_step_costs(model, grid=(1, 2, 4))
+        self.assertEqual(sorted(costs), [1, 2, 4])
+        self.assertEqual(costs[1], 1.0)
+        with tempfile.TemporaryDirectory() as tmp:
+            first = StepCostModel.for_model(model, cache_dir=tmp)
+            second = StepCostModel.for_model(model, cache_dir=tmp)  # read back, not measured again
+        self.assertEqual(first.costs, second.costs)
+
+
+class StepPolicyTest(unittest.TestCase):
+    def test_static_policy_keeps_everything(self):
+        tree = _tree()
+        self.assertEqual(StaticStepPolicy().plan(tree, True, 1), (True, tree))
+
+    def test_window_width_follows_cost(self):
+        self.assertEqual(choose_window(FLAT, 4, 16), 16)
+        self.assertEqual(choose_window(STEEP, 4, 16), 1)
+
+    def test_flat_cost_verifies_everything(self):
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
+        use_window, tree = policy.plan(_tree(), True, 1)
+        self.assertTrue(use_window)
+        self.assertEqual(len(tree), 5)
+
+    def test_steep_cost_and_misses_verify_nothing(self):
+        policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
+        for _ in range(30):
+            policy.plan(_tree(), True, 1)
+            policy.observe(_tree(), Verdict([9], [], [], []), False, 0)  # the model never follows the pool
+        use_window, tree = policy.plan(_tree(), False, 1)
+        self.assertFalse(use_window)
+        self.assertEqual(len(tree), 0)
+        self.assertLess(policy.match_rate[1], 0.05)
+
+    def test_matches_raise_the_estimate_even_when_nothing_was_verified(self):
+        policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
+        tree = _tree()
+        for _ in range(30):
+            policy.plan(tree, False, 1)
+            # Nothing verified (no nodes matched), but the accepted token equals a pooled candidate.
+            policy.observe(tree.subtree([]), Verdict([1], [], [], []), False, 0)
+        self.assertGreater(policy.match_rate[1], 0.9)
+        _, planned = policy.plan(tree, False, 1)
+        self.assertIn(1, planned.tokens)
+
+    def test_node_probabilities_follow_pool_shares(self):
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
+        tree = _tree()
+        probability = policy.node_probabilities(tree)
+        one, four = tree.child(-1, 1), tree.child(-1, 4)
+        self.assertAlmostEqual(probability[one], 2 * probability[four])
+        two = tree.child(one, 2)
+        self.assertLess(probability[two], probability[one])
