@@ -30,6 +30,8 @@ AUTO = "auto"
 # to those worth their cost, so the pool can be generous.
 AUTO_NGRAM = 5
 AUTO_GUESS = 8
+# The longest continuation "auto" copies from the context (prompt lookup) into the candidate tree.
+AUTO_CONTEXT_DEPTH = 8
 # The largest window "auto" considers.
 AUTO_MAX_WINDOW = 16
 

@@ -12,10 +12,10 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_commit import CacheCommitter, attention_groups, layer_types
-from .configuration_lookahead import AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
+from .configuration_lookahead import AUTO_CONTEXT_DEPTH, AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
 from .cost_model import StepCostModel, cache_argument
 from .lookahead_window import LookaheadWindow
-from .ngram_pool import NGramPool
+from .ngram_pool import ContextIndex, NGramPool
 from .step_layout import StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
 from .verification import GreedyVerifier
@@ -138,10 +138,15 @@ class LookaheadDecoder:
         if config.adaptive:
             cost = StepCostModel.for_model(model)
             self.window_size = choose_window(cost, config.levels, AUTO_MAX_WINDOW)
-            self.policy = AdaptiveStepPolicy(cost, self.window_size * config.levels, config.levels)
+            self.policy = AdaptiveStepPolicy(
+                cost, self.window_size * config.levels, config.levels, context_depth=AUTO_CONTEXT_DEPTH
+            )
+            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
+            self.context = ContextIndex() if config.pool_from_prompt else None
         else:
             self.window_size = config.window
             self.policy = StaticStepPolicy()
+            self.context = None
         forward_parameters = inspect.signature(model.forward).parameters
         self.cache_argument = cache_argument(model)
         self.slices_logits = "logits_to_keep" in forward_parameters
@@ -189,7 +194,12 @@ class LookaheadDecoder:
             position_room = (self.max_positions - 1 - position) if self.max_positions else config.levels
             depth = min(config.levels, max_length - length - 1, position_room)
             window_allowed = position_room >= config.levels + self.window_size - 1
-            use_window, tree = self.policy.plan(pool.tree(tokens[-1], depth), window_allowed, pending.shape[0])
+            tree = pool.tree(tokens[-1], depth)
+            if self.context is not None:
+                self.context.update(tokens)
+                room = min(AUTO_CONTEXT_DEPTH, max_length - length - 1, position_room)
+                tree.add_path(self.context.continuation(tokens, room))
+            use_window, tree = self.policy.plan(tree, window_allowed, pending.shape[0])
             step = layout.build(cache, pending, position, window.flat() if use_window else None, tree)
 
             started = time.perf_counter()

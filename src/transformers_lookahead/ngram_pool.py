@@ -22,6 +22,8 @@ class TokenTree:
         children (`list[dict[int, int]]`): for each node, its children by token; entry 0 is the key itself, node
             `i` is at entry `i + 1`.
         counts (`list[int]`): how many pooled continuations pass through each node.
+        in_context (`list[bool]`): whether each node lies on the continuation copied from the context (see
+            `ContextIndex`), as opposed to only on pooled n-grams.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -29,6 +31,7 @@ class TokenTree:
     depths: list[int] = field(default_factory=list)
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
     counts: list[int] = field(default_factory=list)
+    in_context: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -54,9 +57,36 @@ class TokenTree:
             tree.parents.append(new_parent)
             tree.depths.append(self.depths[old])
             tree.counts.append(self.counts[old])
+            tree.in_context.append(self.in_context[old])
             tree.children.append({})
             tree.children[new_parent + 1][self.tokens[old]] = renumber[old]
         return tree
+
+    def add_path(self, tokens: Sequence[int]) -> None:
+        """
+        Merges `tokens`, a continuation of the key copied from the context, into the tree as one path.
+
+        Args:
+            tokens (`Sequence[int]`): the continuation; its nodes are flagged `in_context`.
+        """
+        node = -1
+        for depth, token in enumerate(tokens, start=1):
+            child = self.child(node, token)
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(depth)
+                self.counts.append(0)
+                self.in_context.append(False)
+                self.children.append({})
+                self.children[node + 1][token] = child
+            self.in_context[child] = True
+            node = child
+
+    def context_path(self) -> list[int]:
+        """The nodes flagged `in_context`, from the top down."""
+        return [node for node, flagged in enumerate(self.in_context) if flagged]
 
     def ancestors(self, node: int) -> list[int]:
         """`node` and every node above it, deepest first."""
@@ -172,6 +202,7 @@ class NGramPool:
                     node = len(tree.tokens)
                     tree.tokens.append(token)
                     tree.counts.append(count)
+                    tree.in_context.append(False)
                     tree.parents.append(parent)
                     tree.depths.append(depth)
                     tree.children.append({})
@@ -202,3 +233,40 @@ def _trie_remove(trie: dict[int, list], continuation: tuple[int, ...]) -> None:
             del children[token]
             return
         children = node[1]
+
+
+class ContextIndex:
+    """
+    Where each recent k-gram of the text last occurred, to copy what followed it (prompt lookup decoding's idea,
+    with a hash lookup instead of a scan). The longest suffix of the text (up to `max_match` tokens) seen earlier
+    proposes the tokens that followed its most recent earlier occurrence.
+
+    Args:
+        max_match (`int`): the longest suffix looked up.
+    """
+
+    def __init__(self, max_match: int = 3):
+        self.max_match = max_match
+        self._next_index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_match)]
+        self._indexed = 0
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Indexes the k-grams of `tokens` that gained a following token since the last call."""
+        for end in range(max(self._indexed, 1), len(tokens)):
+            # tokens[end - k : end] is followed by tokens[end]
+            for k in range(1, min(self.max_match, end) + 1):
+                self._next_index[k - 1][tuple(tokens[end - k : end])] = end
+        self._indexed = len(tokens)
+
+    def continuation(self, tokens: Sequence[int], length: int) -> list[int]:
+        """
+        Up to `length` tokens that followed the most recent earlier occurrence of the longest matching suffix of
+        `tokens` (which must have been passed to `update`), or an empty list.
+        """
+        if length < 1:
+            return []
+        for k in range(min(self.max_match, len(tokens) - 1), 0, -1):
+            start = self._next_index[k - 1].get(tuple(tokens[-k:]))
+            if start is not None:
+                return list(tokens[start : start + length])
+        return []

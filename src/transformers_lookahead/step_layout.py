@@ -17,8 +17,9 @@ class StepInputs:
     Args:
         input_ids (`torch.LongTensor` of shape `(1, T)`): pending tokens, then the window, then the tree.
         position_ids (`torch.LongTensor` of shape `(1, T)`).
-        attention_mask (`torch.Tensor` or `dict[str, torch.Tensor]`): additive float masks of shape
-            `(1, 1, T, kv_length)`, one per attention layer type when the model mixes full and sliding layers.
+        attention_mask (`torch.Tensor`, `dict[str, torch.Tensor]` or `None`): additive float masks of shape
+            `(1, 1, T, kv_length)`, one per attention layer type when the model mixes full and sliding layers;
+            `None` for a single-token step, which needs only the causal mask the model builds.
         logits_rows (`torch.LongTensor`): the step rows whose logits are computed, in this order: the last pending
             token, the window's top level (if the window is in the step), every tree node.
         window_used (`bool`): whether the window is part of this step.
@@ -95,6 +96,7 @@ class StepLayout:
         )
         self.window_block = sees_first_level | sees_own_column
         self.top_rows = torch.arange((levels - 1) * window, levels * window, device=device)
+        self._last_row = torch.tensor([0], device=device)
 
     def build(
         self,
@@ -133,6 +135,10 @@ class StepLayout:
             parts_pos.append(torch.tensor(tree.depths, device=device) + position)
         input_ids = torch.cat(parts_ids)
         positions = torch.cat(parts_pos)
+        if length == 1:
+            # A lone token sees everything before it: the model builds that mask itself (for sliding layers too),
+            # exactly as in plain decoding, which is cheaper than a custom mask.
+            return StepInputs(input_ids[None], positions[None], None, self._last_row, False)
 
         visible = torch.zeros(length, length, dtype=torch.bool, device=device)
         visible[:, :k] = True

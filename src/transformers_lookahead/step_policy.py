@@ -55,6 +55,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
       pooled continuations among its siblings. `q` is learnt from every step's *whole* candidate tree, checked
       against the tokens the step accepted, so candidates the policy left out still teach it (every step reveals
       at least depth 1): a run of misses cannot shut verification off for good.
+    - The continuation copied from the context (`ContextIndex`), if any, has its own running estimate per depth,
+      `context_rate[d]`, of matching once its parent matched; a node on it takes the larger of both estimates.
     - Window: adds `window_gain`, the tokens accepted per window step from n-grams only the window had found
       (a running estimate with an optimistic start, re-probed after `probe_every` steps without the window).
     - Cost: `StepCostModel` of the step length, its excess over a one-token step rescaled by a running factor
@@ -70,16 +72,24 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         levels (`int`): N - 1, the deepest candidate.
         decay (`float`): weight kept by the running estimates at each step.
         probe_every (`int`): steps without the window after which one window step is forced.
+        context_depth (`int`): the longest continuation copied from the context.
     """
 
     def __init__(
-        self, cost: StepCostModel, window_length: int, levels: int, decay: float = 0.9, probe_every: int = 32
+        self,
+        cost: StepCostModel,
+        window_length: int,
+        levels: int,
+        decay: float = 0.9,
+        probe_every: int = 32,
+        context_depth: int = 0,
     ):
         self.cost = cost
         self.window_length = window_length
         self.decay = decay
         self.probe_every = probe_every
         self.match_rate = [0.3] * (levels + 1)
+        self.context_rate = [0.5] * (context_depth + 1)
         self._window_credit, self._window_steps = 0.5, 1.0
         self._steps_without_window = 0
         self._levels = levels
@@ -109,7 +119,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     def _learn_matches(self, tree: TokenTree, continuation: list[int]) -> None:
         node = -1
         for depth, token in enumerate(continuation[: self._levels], start=1):
-            children = tree.children[node + 1]
+            # Only pooled nodes: the copied continuation is scored on its own.
+            children = {t: c for t, c in tree.children[node + 1].items() if tree.counts[c]}
             if not children:
                 return
             child = children.get(token)
@@ -148,17 +159,30 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         sibling_counts: dict[int, int] = {}
         for parent, count in zip(tree.parents, tree.counts):
             sibling_counts[parent] = sibling_counts.get(parent, 0) + count
-        probability = []
+        probability, context = [], []
         for node, (parent, depth) in enumerate(zip(tree.parents, tree.depths)):
             above = probability[parent] if parent >= 0 else 1.0
-            share = tree.counts[node] / sibling_counts[parent]
-            probability.append(above * self.match_rate[depth] * share)
+            pooled = 0.0
+            if tree.counts[node]:
+                pooled = above * self.match_rate[depth] * tree.counts[node] / sibling_counts[parent]
+            copied = 0.0
+            if tree.in_context[node]:
+                copied = (context[parent] if parent >= 0 else 1.0) * self.context_rate[depth]
+            context.append(copied)
+            probability.append(max(pooled, copied))
         return probability
 
     def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
         # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
         full_tree = self._pending_trees.pop()
         self._learn_matches(full_tree, verdict.tokens)
+        for depth, node in enumerate(full_tree.context_path(), start=1):
+            if depth > len(verdict.tokens):
+                break
+            hit = float(full_tree.tokens[node] == verdict.tokens[depth - 1])
+            self.context_rate[depth] += (1 - self.decay) * (hit - self.context_rate[depth])
+            if not hit:
+                break
         self._window_credit = self.decay * self._window_credit + window_credit
         self._window_steps = self.decay * self._window_steps + float(window_used)
         self._steps_without_window = 0 if window_used else self._steps_without_window + 1
