@@ -17,7 +17,7 @@ setup(
     install_requires=["torch>=2.4", "transformers>=5.23,<6", "safetensors"],
     extras_require={
         "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm"],
-        "quality": ["ruff"],
+        "quality": ["ruff==0.17.6"],
         "benchmark": ["gguf", "accelerate", "tqdm", "matplotlib"],
     },
     classifiers=[

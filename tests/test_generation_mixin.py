@@ -4,6 +4,7 @@ import unittest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from parameterized import parameterized
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, pipeline
 
@@ -63,35 +64,29 @@ class EnableLookaheadTest(unittest.TestCase):
 
 
 class CustomGenerateTest(unittest.TestCase):
-    def test_callable_on_a_model_that_was_not_enabled(self):
+    @parameterized.expand(
+        [
+            ("callable", {"custom_generate": transformers_lookahead.generate, "lookahead_window": 4}),
+            ("callable_default_window", {"custom_generate": transformers_lookahead.generate}),
+            (
+                "hub_folder",
+                {
+                    "custom_generate": transformers_lookahead.HUB_FOLDER,
+                    "trust_remote_code": True,
+                    "lookahead_window": 4,
+                },
+            ),
+            (
+                "hub_folder_default_window",
+                {"custom_generate": transformers_lookahead.HUB_FOLDER, "trust_remote_code": True},
+            ),
+        ]
+    )
+    def test_on_a_model_that_was_not_enabled(self, _, kwargs):
         model = tiny_model("qwen2")
         prompt = random_prompt(24, seed=1)
         expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
-        out = model.generate(
-            prompt,
-            max_new_tokens=30,
-            do_sample=False,
-            custom_generate=transformers_lookahead.generate,
-            lookahead_window=4,
-            lookahead_ngram=3,
-            return_dict_in_generate=True,
-        )
-        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
-        self.assertTrue(torch.equal(out.sequences, expected))
-
-    def test_hub_folder(self):
-        model = tiny_model("qwen2")
-        prompt = random_prompt(24, seed=1)
-        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
-        out = model.generate(
-            prompt,
-            max_new_tokens=30,
-            do_sample=False,
-            custom_generate=transformers_lookahead.HUB_FOLDER,
-            trust_remote_code=True,
-            lookahead_window=4,
-            return_dict_in_generate=True,
-        )
+        out = model.generate(prompt, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, **kwargs)
         self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
         self.assertTrue(torch.equal(out.sequences, expected))
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
 
 # Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
-DEFAULT_WINDOW = 5
+DEFAULT_WINDOW = "auto"
 
 
 @dataclass
@@ -191,7 +191,7 @@ class LookaheadDecoder:
         while not done:
             length = input_ids.shape[1]
             position = length - 1
-            position_room = (self.max_positions - 1 - position) if self.max_positions else config.levels
+            position_room = (self.max_positions - 1 - position) if self.max_positions else max_length
             depth = min(config.levels, max_length - length - 1, position_room)
             window_allowed = position_room >= config.levels + self.window_size - 1
             tree = pool.tree(tokens[-1], depth)
