@@ -1,6 +1,6 @@
 import unittest
 
-from transformers_lookahead import NGramPool, TokenTree
+from transformers_lookahead import ContextIndex, NGramPool, TokenTree
 
 
 class NGramPoolTest(unittest.TestCase):
@@ -80,3 +80,28 @@ class NGramPoolTest(unittest.TestCase):
         self.assertEqual(sub.parents, [-1, 0])
         self.assertEqual(sub.child(0, 4), 1)
         self.assertEqual(sub.ancestors(1), [1, 0])
+
+
+class ContextIndexTest(unittest.TestCase):
+    def test_longest_recent_suffix_proposes_what_followed(self):
+        index = ContextIndex(max_match=3)
+        tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]
+        index.update(tokens)
+        # "2 3" last occurred at 5-6, followed by 5 6 7 ...
+        self.assertEqual(index.continuation(tokens, 3), [5, 6, 7])
+        tokens += [5]
+        index.update(tokens)
+        # "2 3 5" occurred at 5-7, followed by 6 7 2
+        self.assertEqual(index.continuation(tokens, 3), [6, 7, 2])
+        self.assertEqual(index.continuation([8], 3), [])
+        self.assertEqual(index.continuation(tokens, 0), [])
+
+    def test_continuation_merges_into_the_tree(self):
+        pool = NGramPool(continuation_length=2, max_per_key=2)
+        pool.add(0, [1, 2])
+        tree = pool.tree(0, 2)
+        tree.add_path([1, 5, 6])
+        self.assertEqual(len(tree), 4)  # 1 is shared, 5 and 6 are new
+        self.assertEqual([tree.tokens[n] for n in tree.context_path()], [1, 5, 6])
+        self.assertEqual(tree.counts[tree.child(-1, 1)], 1)
+        self.assertEqual(tree.depths[tree.context_path()[-1]], 3)

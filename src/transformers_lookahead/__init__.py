@@ -4,11 +4,13 @@ from pathlib import Path
 
 from .cache_commit import CacheCommitter
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig
+from .cost_model import StepCostModel
 from .generation_mixin import LookaheadGenerationMixin, enable_lookahead, generate_with_lookahead
 from .lookahead_decoding import LookaheadDecoderOnlyOutput, generate
 from .lookahead_window import LookaheadWindow
-from .ngram_pool import NGramPool, TokenTree
+from .ngram_pool import ContextIndex, NGramPool, TokenTree
 from .step_layout import StepLayout
+from .step_policy import AdaptiveStepPolicy, StaticStepPolicy
 from .verification import GreedyVerifier
 
 __version__ = "0.1.0"
@@ -20,13 +22,17 @@ HUB_FOLDER = str(Path(__file__).parent / "hub")
 __all__ = [
     "HUB_FOLDER",
     "LOOKAHEAD_FIELDS",
+    "AdaptiveStepPolicy",
     "CacheCommitter",
+    "ContextIndex",
     "GreedyVerifier",
     "LookaheadConfig",
     "LookaheadDecoderOnlyOutput",
     "LookaheadGenerationMixin",
     "LookaheadWindow",
     "NGramPool",
+    "StaticStepPolicy",
+    "StepCostModel",
     "StepLayout",
     "TokenTree",
     "enable_lookahead",

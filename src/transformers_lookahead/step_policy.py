@@ -93,7 +93,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         self._window_credit, self._window_steps = 0.5, 1.0
         self._steps_without_window = 0
         self._levels = levels
-        self._pending_trees: list[tuple[int, TokenTree]] = []
+        self._offered_tree = TokenTree()
         self._single_token_seconds: float | None = None
         self._excess_scale = 1.0
 
@@ -134,7 +134,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         return self._window_credit / max(self._window_steps, 1.0)
 
     def plan(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> tuple[bool, TokenTree]:
-        self._pending_trees.append(tree)
+        self._offered_tree = tree
         probability = self.node_probabilities(tree)
         order = sorted(range(len(tree)), key=lambda node: -probability[node])
         options = [False, True] if window_allowed else [False]
@@ -174,7 +174,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
 
     def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
         # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
-        full_tree = self._pending_trees.pop()
+        full_tree = self._offered_tree
         self._learn_matches(full_tree, verdict.tokens)
         for depth, node in enumerate(full_tree.context_path(), start=1):
             if depth > len(verdict.tokens):
