@@ -54,6 +54,19 @@ class SmolLM2LookaheadTest(unittest.TestCase):
         print(f"\n{label} W/N/G={window}/{ngram}/{guess}: compression {new_tokens / passes:.2f} tokens per forward")
         self.assertGreater(new_tokens / passes, 1.0)
 
+    def test_stop_strings(self):
+        for (_, ids), expected in list(zip(self.prompts, self.greedy))[PROMPTS_PER_DATASET : PROMPTS_PER_DATASET + 3]:
+            text = self.tokenizer.decode(expected[0, ids.shape[1] :])
+            for start in (20, 45, 70):
+                stop = text[start : start + 7]
+                kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "stop_strings": [stop]}
+                kwargs["tokenizer"] = self.tokenizer
+                plain = self.model.generate(ids, **kwargs)
+                lookahead = self.model.generate(ids, lookahead_window="auto", **kwargs)
+                with self.subTest(stop=stop):
+                    self.assertTrue(torch.equal(lookahead, plain))
+                    self.assertLess(plain.shape[1], expected.shape[1], "the stop string must end generation early")
+
     def test_text_streamer_and_pipeline(self):
         from threading import Thread
 

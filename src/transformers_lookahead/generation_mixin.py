@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig
 from .lookahead_decoding import generate as lookahead_generate
@@ -66,6 +67,7 @@ def generate_with_lookahead(
         config = LookaheadConfig(window=default_window)
     if config is None:
         return GenerationMixin.generate(model, inputs, generation_config, **kwargs)
+    _bind_stop_strings(model, generation_config, kwargs)
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
     # streamer and the assistant travel bound to the callable.
     decoding = functools.partial(
@@ -79,6 +81,29 @@ def generate_with_lookahead(
         lookahead_assistant_model=kwargs.pop("assistant_model", None),
     )
     return GenerationMixin.generate(model, inputs, generation_config, custom_generate=decoding, **kwargs)
+
+
+def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> None:
+    """
+    Turns `stop_strings` + `tokenizer` into a `StopStringCriteria` in `kwargs["stopping_criteria"]`.
+
+    `generate` drops the `tokenizer` argument before building the stopping criteria of a `custom_generate`
+    callable, and then refuses stop strings for lack of a tokenizer; the criterion built here is the one it would
+    have built.
+    """
+    tokenizer = kwargs.pop("tokenizer", None)
+    stop_strings = kwargs.get("stop_strings")
+    for config in (generation_config, getattr(model, "generation_config", None)):
+        if stop_strings is None and config is not None:
+            stop_strings = getattr(config, "stop_strings", None)
+    if not stop_strings or tokenizer is None:
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
+        return
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None
 
 
 _LOOKAHEAD_CLASSES: dict[type, type] = {}
