@@ -158,7 +158,7 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for got, want in zip(out.logits, expected.logits):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        self.assertIsNotNone(out.cache)
+        self.assertEqual(out.cache.get_seq_length(), expected.cache.get_seq_length())
 
     @parameterized.expand(
         [
