@@ -222,7 +222,6 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
         [
             ("num_beams", {"num_beams": 2}, "cannot be combined with `num_beams`"),
             ("prompt_lookup", {"prompt_lookup_num_tokens": 3}, "cannot be combined with `prompt_lookup_num_tokens`"),
-            ("sampling", {"do_sample": True}, "greedy decoding only"),
             ("no_cache", {"use_cache": False}, "needs `use_cache=True`"),
             ("static_cache", {"cache_implementation": "static"}, "cache_implementation='static' is not supported"),
             ("return_sequences", {"num_return_sequences": 2}, "num_return_sequences"),

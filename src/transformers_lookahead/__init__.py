@@ -11,7 +11,7 @@ from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
 from .step_layout import StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy
-from .verification import GreedyVerifier
+from .verification import GreedyVerifier, SamplingVerifier
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "LookaheadGenerationMixin",
     "LookaheadWindow",
     "NGramPool",
+    "SamplingVerifier",
     "StaticStepPolicy",
     "StepCostModel",
     "StepLayout",

@@ -182,11 +182,6 @@ def validate_lookahead_setup(
                 f"Lookahead decoding cannot be combined with `{name}`: both decide how tokens are proposed. "
                 f"Use either lookahead (`lookahead_window`) or `{name}`, not both."
             )
-    if generation_config.do_sample:
-        raise ValueError(
-            "Lookahead decoding supports greedy decoding only for now (`do_sample=False`); got `do_sample=True`. "
-            "Pass `do_sample=False` (pipelines sample by default) or remove `lookahead_window`."
-        )
     if batch_size != 1:
         raise ValueError(
             f"Lookahead decoding supports one sequence per call for now; got a batch of {batch_size} rows "

@@ -18,7 +18,7 @@ from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool
 from .step_layout import StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
-from .verification import GreedyVerifier
+from .verification import GreedyVerifier, SamplingVerifier
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -60,8 +60,9 @@ def generate(
 ) -> LookaheadDecoderOnlyOutput | torch.LongTensor:
     r"""
     Generates with lookahead decoding: each step runs one forward pass that both advances a Jacobi window of guesses
-    and verifies candidate n-grams from a pool, then accepts every verified token plus one. The output is the output
-    of plain greedy decoding, with the same logits processors and stopping criteria.
+    and verifies candidate n-grams from a pool, then accepts every verified token plus one. Greedy output is the
+    output of plain greedy decoding and sampled output follows the distribution of plain sampling, with the same
+    logits processors, warpers and stopping criteria.
 
     `generate` calls this after preparing the inputs, either as a `custom_generate` callable or through
     `LookaheadGenerationMixin`. Settings come from the `lookahead_*` arguments, else from the `generation_config`
@@ -169,7 +170,11 @@ class LookaheadDecoder:
         first = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
         first_scores = self.logits_processor(input_ids, first)
         del outputs
-        input_ids, kept, done = self._append(input_ids, [int(first_scores.argmax(-1))], [first], [first_scores])
+        if self.generation_config.do_sample:
+            first_token = int(torch.multinomial(torch.softmax(first_scores[0], dim=-1), 1))
+        else:
+            first_token = int(first_scores.argmax(-1))
+        input_ids, kept, done = self._append(input_ids, [first_token], [first], [first_scores])
         self._stream(streamer, input_ids, kept)
 
         self.committer.start()
@@ -185,7 +190,8 @@ class LookaheadDecoder:
             model.dtype,
             input_ids.device,
         )
-        verifier = GreedyVerifier(self.logits_processor)
+        verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
+        verifier = verifier_class(self.logits_processor)
         pending = input_ids[0, -1:]
 
         while not done:

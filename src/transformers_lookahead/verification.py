@@ -80,3 +80,52 @@ class GreedyVerifier:
                 return verdict
             verdict.nodes.append(child)
             row, node = tree_row + child, child
+
+
+class SamplingVerifier:
+    """
+    Verification of a token tree that keeps the output distribution of plain sampling.
+
+    At each node the model's distribution p (logits processors and warpers applied, as in plain sampling) is
+    computed. The candidates below the node are deterministic drafts, so the multi-draft rejection rule reduces to:
+    accept candidate x with probability p(x); on rejection set p(x) = 0, renormalise, and try the next candidate;
+    if every candidate is rejected, sample the token from what is left of p. Whatever the candidates, the token
+    is then distributed exactly as p: a candidate x is chosen with probability p(x) overall (the chance of reaching
+    it times its renormalised probability), and any other token with its share of the remaining mass. An accepted
+    candidate continues the walk at its node, whose logits are conditioned on it; a sampled token ends the step.
+    The candidates depend only on text already generated, never on the random draws still to come.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): the processors and warpers `generate` built for the call.
+    """
+
+    def __init__(self, logits_processor: LogitsProcessorList):
+        self.logits_processor = logits_processor
+
+    def verify(
+        self, logits: torch.Tensor, tree: TokenTree, tree_row: int, input_ids: torch.LongTensor, max_tokens: int
+    ) -> Verdict:
+        """Same arguments and result as `GreedyVerifier.verify`."""
+        verdict = Verdict([], [], [], [])
+        row, node = 0, -1
+        while True:
+            raw = logits[row : row + 1].to(dtype=torch.float32, copy=True)
+            sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
+            scores = self.logits_processor(sequence, raw)
+            probs = torch.softmax(scores[0], dim=-1)
+            token, child = None, None
+            for candidate, candidate_node in tree.children[node + 1].items():
+                if float(torch.rand((), device=probs.device)) < float(probs[candidate]):
+                    token, child = candidate, candidate_node
+                    break
+                probs[candidate] = 0.0
+                probs = probs / probs.sum()
+            if token is None:
+                token = int(torch.multinomial(probs, 1))
+            verdict.tokens.append(token)
+            verdict.logits.append(raw)
+            verdict.scores.append(scores)
+            if child is None or len(verdict.tokens) >= max_tokens:
+                return verdict
+            verdict.nodes.append(child)
+            row, node = tree_row + child, child

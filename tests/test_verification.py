@@ -1,0 +1,154 @@
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+from transformers_lookahead import GreedyVerifier, NGramPool, enable_lookahead
+from transformers_lookahead.verification import SamplingVerifier
+
+# Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm
+# is expected about once in ten thousand runs of the suite.
+P_VALUE = 1e-5
+
+
+def chi_square_p_value(statistic: float, degrees_of_freedom: int) -> float:
+    """Survival function of the chi-square distribution (the regularized upper incomplete gamma function)."""
+    return float(torch.special.gammaincc(torch.tensor(degrees_of_freedom / 2.0), torch.tensor(statistic / 2.0)))
+
+
+def homogeneity_p_value(first: torch.Tensor, second: torch.Tensor) -> float:
+    """Chi-square test that two count vectors over the same outcomes come from one distribution."""
+    keep = (first + second) > 0
+    first, second = first[keep].double(), second[keep].double()
+    total = first.sum() + second.sum()
+    expected_first = (first + second) * first.sum() / total
+    expected_second = (first + second) * second.sum() / total
+    statistic = (
+        ((first - expected_first) ** 2) / expected_first + ((second - expected_second) ** 2) / expected_second
+    ).sum()
+    return chi_square_p_value(float(statistic), int(keep.sum()) - 1)
+
+
+def _tree(key, continuations, depth):
+    pool = NGramPool(continuation_length=depth, max_per_key=len(continuations))
+    for continuation in continuations:
+        pool.add(key, continuation)
+    return pool.tree(key, depth)
+
+
+class GreedyVerifierTest(unittest.TestCase):
+    def test_walks_the_matching_path_and_adds_one_token(self):
+        vocab = 10
+        tree = _tree(0, [[3, 4], [5, 6]], 2)
+        rows = torch.full((1 + len(tree), vocab), -5.0)
+
+        def prefer(row, token):
+            rows[row, token] = 5.0
+
+        prefer(0, 5)  # after the key the model picks 5: the path through 5
+        five = tree.child(-1, 5)
+        prefer(1 + five, 6)
+        six = tree.child(five, 6)
+        prefer(1 + six, 9)
+        for node in range(len(tree)):
+            if node not in (five, six):
+                prefer(1 + node, 1)
+        verdict = GreedyVerifier(LogitsProcessorList()).verify(rows, tree, 1, torch.tensor([[0]]), max_tokens=10)
+        self.assertEqual(verdict.tokens, [5, 6, 9])
+        self.assertEqual(verdict.nodes, [five, six])
+        verdict = GreedyVerifier(LogitsProcessorList()).verify(rows, tree, 1, torch.tensor([[0]]), max_tokens=2)
+        self.assertEqual(verdict.tokens, [5, 6])
+
+
+class SamplingVerifierTest(unittest.TestCase):
+    @parameterized.expand(
+        [("two_candidates", [[2], [5]]), ("likely_candidate", [[0], [1], [2]]), ("no_candidate", [])]
+    )
+    def test_first_token_follows_the_model_distribution(self, _, continuations):
+        torch.manual_seed(0)
+        vocab, draws = 8, 20000
+        logits = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.0, 1.0, -0.5, 0.7]])
+        tree = _tree(9, continuations, 1) if continuations else _tree(9, [[1]], 0)
+        verifier = SamplingVerifier(LogitsProcessorList())
+        counts = torch.zeros(vocab)
+        rows = torch.cat([logits, torch.zeros(len(tree), vocab)])
+        for _ in range(draws):
+            token = verifier.verify(rows, tree, 1, torch.tensor([[9]]), max_tokens=1).tokens[0]
+            counts[token] += 1
+        expected = torch.softmax(logits[0].double(), -1) * draws
+        statistic = float(((counts.double() - expected) ** 2 / expected).sum())
+        self.assertGreater(chi_square_p_value(statistic, vocab - 1), P_VALUE)
+
+
+class LookaheadSamplingDistributionTest(unittest.TestCase):
+    """The first tokens sampled with lookahead follow plain sampling's distribution, under several warpers."""
+
+    @classmethod
+    def setUpClass(cls):
+        config = LlamaConfig(
+            vocab_size=12,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            initializer_range=0.3,
+            pad_token_id=0,
+            eos_token_id=None,
+            bos_token_id=None,
+        )
+        torch.manual_seed(0)
+        cls.model = enable_lookahead(LlamaForCausalLM(config).eval())
+        # A repetitive prompt: the pool and the context copy then propose candidates that often get accepted.
+        cls.prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
+
+    @parameterized.expand(
+        [
+            ("temperature_0.7", {"temperature": 0.7}),
+            ("top_k_top_p", {"temperature": 1.0, "top_k": 6, "top_p": 0.9}),
+        ]
+    )
+    def test_first_tokens(self, _, warpers):
+        runs, new_tokens = 1500, 5
+        counts = {label: torch.zeros(new_tokens, 12) for label in ("plain", "lookahead")}
+        accepted_more_than_one = 0
+        for _ in range(runs):
+            for label, extra in (("plain", {}), ("lookahead", {"lookahead_window": 2, "lookahead_ngram": 3})):
+                out = self.model.generate(
+                    self.prompt,
+                    do_sample=True,
+                    max_new_tokens=new_tokens,
+                    return_dict_in_generate=True,
+                    **warpers,
+                    **extra,
+                )
+                generated = out.sequences[0, self.prompt.shape[1] :]
+                counts[label][torch.arange(new_tokens), generated] += 1
+                if label == "lookahead":
+                    accepted_more_than_one += any(a > 1 for a in out.accepted_per_step)
+        self.assertGreater(accepted_more_than_one, runs // 20, "the test must exercise multi-token acceptance")
+        for position in range(new_tokens):
+            with self.subTest(position=position):
+                p_value = homogeneity_p_value(counts["plain"][position], counts["lookahead"][position])
+                self.assertGreater(p_value, P_VALUE)
+
+    def test_reproducible_with_a_seed(self):
+        outputs = []
+        for _ in range(2):
+            torch.manual_seed(123)
+            outputs.append(self.model.generate(self.prompt, do_sample=True, max_new_tokens=20, lookahead_window=3))
+        self.assertTrue(torch.equal(outputs[0], outputs[1]))
+
+
+class WarperListTest(unittest.TestCase):
+    def test_processors_are_applied_before_the_rule(self):
+        torch.manual_seed(0)
+        processors = LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(2)])
+        logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+        tree = _tree(0, [[2], [3]], 1)  # both candidates are outside the top 2: never accepted
+        rows = torch.cat([logits, torch.zeros(len(tree), 4)])
+        tokens = {
+            SamplingVerifier(processors).verify(rows, tree, 1, torch.tensor([[0]]), 1).tokens[0] for _ in range(300)
+        }
+        self.assertEqual(tokens, {0, 1})
