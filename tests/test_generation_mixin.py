@@ -103,6 +103,18 @@ class PipelineTest(unittest.TestCase):
         self.assertEqual(out, expected)
         self.assertGreater(len(out[0]["generated_text"]), len(PROMPT_TEXT))
 
+    def test_pipeline_chat_messages_and_return_full_text(self):
+        self.tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+        pipe = pipeline("text-generation", model=self.model, tokenizer=self.tokenizer)
+        messages = [{"role": "user", "content": PROMPT_TEXT}]
+        for kwargs in ({}, {"return_full_text": False}):
+            with self.subTest(**kwargs):
+                expected = pipe(messages, do_sample=False, max_new_tokens=20, **kwargs)
+                out = pipe(messages, do_sample=False, max_new_tokens=20, lookahead_window=4, **kwargs)
+                self.assertEqual(out, expected)
+        text = pipe(PROMPT_TEXT, do_sample=False, max_new_tokens=20, lookahead_window=4, return_full_text=False)
+        self.assertFalse(text[0]["generated_text"].startswith(PROMPT_TEXT))
+
     def test_pipeline_with_generation_config_fields(self):
         pipe = pipeline("text-generation", model=self.model, tokenizer=self.tokenizer)
         expected = pipe(PROMPT_TEXT, do_sample=False, max_new_tokens=20)

@@ -210,6 +210,13 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
         self.assertEqual(expected.shape[1], 24 + 13)
         self.assertTrue(torch.equal(out, expected))
 
+    def test_max_time(self):
+        # A budget already spent when the first token is appended: both stop right there.
+        expected = self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, max_time=1e-9)
+        out = self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, max_time=1e-9, lookahead_window=4)
+        self.assertEqual(expected.shape[1], self.prompt.shape[1] + 1)
+        self.assertTrue(torch.equal(out, expected))
+
     def test_streamer_receives_the_same_tokens(self):
         plain, lookahead = RecordingStreamer(), RecordingStreamer()
         self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, streamer=plain)
