@@ -230,6 +230,7 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
             ("num_beams", {"num_beams": 2}, "cannot be combined with `num_beams`"),
             ("prompt_lookup", {"prompt_lookup_num_tokens": 3}, "cannot be combined with `prompt_lookup_num_tokens`"),
             ("no_cache", {"use_cache": False}, "needs `use_cache=True`"),
+            ("custom_generate", {"custom_generate": "some/repo"}, "cannot be combined with `custom_generate`"),
             ("static_cache", {"cache_implementation": "static"}, "cache_implementation='static' is not supported"),
             ("return_sequences", {"num_return_sequences": 2}, "num_return_sequences"),
             ("attentions", {"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),

@@ -45,7 +45,7 @@ def generate_with_lookahead(
     model: PreTrainedModel,
     inputs: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,
-    default_window: int | None = None,
+    default_window: int | str | None = None,
     **kwargs: Any,
 ):
     """
@@ -55,7 +55,7 @@ def generate_with_lookahead(
         model (`PreTrainedModel`): any decoder-only model.
         inputs (`torch.Tensor`, *optional*): as for `generate`.
         generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
-        default_window (`int`, *optional*): the window to use when nothing sets `lookahead_window`; `None` leaves
+        default_window (`int` or `"auto"`, *optional*): the window to use when nothing sets `lookahead_window`; `None` leaves
             such calls to plain `generate`.
         kwargs: the other `generate` arguments, `lookahead_*` ones included.
     """
@@ -67,6 +67,11 @@ def generate_with_lookahead(
         config = LookaheadConfig(window=default_window)
     if config is None:
         return GenerationMixin.generate(model, inputs, generation_config, **kwargs)
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError(
+            "Lookahead decoding cannot be combined with `custom_generate`: both replace the decoding loop. "
+            "Remove `custom_generate`, or the `lookahead_*` settings."
+        )
     _bind_stop_strings(model, generation_config, kwargs)
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
     # streamer and the assistant travel bound to the callable.
