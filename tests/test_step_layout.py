@@ -4,18 +4,11 @@ import torch
 from parameterized import parameterized
 from transformers import DynamicCache
 
-from transformers_lookahead import NGramPool, StepLayout
+from transformers_lookahead import StepLayout
 from transformers_lookahead.cache_commit import attention_groups, layer_types
 from transformers_lookahead.step_layout import AttentionGroup
 
-from .utils import random_prompt, tiny_model
-
-
-def _tree(key, continuations, depth):
-    pool = NGramPool(continuation_length=depth, max_per_key=len(continuations))
-    for continuation in continuations:
-        pool.add(key, continuation)
-    return pool.tree(key, depth)
+from .utils import pool_tree, random_prompt, tiny_model
 
 
 class StepLayoutTest(unittest.TestCase):
@@ -24,7 +17,7 @@ class StepLayoutTest(unittest.TestCase):
         layout = StepLayout(2, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
         cache = DynamicCache()
         window = torch.tensor([20, 21, 30, 31])
-        tree = _tree(4, [[7, 8], [7, 9], [5, 6]], 2)
+        tree = pool_tree(4, [[7, 8], [7, 9], [5, 6]], 2)
         step = layout.build(cache, torch.tensor([4]), 10, window, tree)
         self.assertEqual(step.input_ids[0, :5].tolist(), [4, 20, 21, 30, 31])
         # cur at p, L[l][i] at p + 1 + l + i, tree nodes at p + depth
@@ -57,7 +50,7 @@ class StepLayoutTest(unittest.TestCase):
         cache.activate_past_recording()
         layout = StepLayout(3, 2, attention_groups(cache, layer_types(model)), torch.float32, torch.device("cpu"))
         window = torch.tensor([10, 11, 12, 13, 14, 15])
-        tree = _tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
+        tree = pool_tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
         position = prompt.shape[0] - 1
         step = layout.build(cache, prompt[-1:], position, window, tree)
         with torch.no_grad():

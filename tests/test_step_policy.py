@@ -57,7 +57,9 @@ class StepPolicyTest(unittest.TestCase):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
         for _ in range(30):
             policy.plan(_tree(), True, 1)
-            policy.observe(_tree(), Verdict([9], [], [], []), False, 0)  # the model never follows the pool
+            policy.observe(
+                _tree(), Verdict([9], [], [], []), False, NGramPool(2, 3), 0
+            )  # the model never follows the pool
         use_window, tree = policy.plan(_tree(), False, 1)
         self.assertFalse(use_window)
         self.assertEqual(len(tree), 0)
@@ -69,7 +71,7 @@ class StepPolicyTest(unittest.TestCase):
         for _ in range(30):
             policy.plan(tree, False, 1)
             # Nothing verified (no nodes matched), but the accepted token equals a pooled candidate.
-            policy.observe(tree.subtree([]), Verdict([1], [], [], []), False, 0)
+            policy.observe(tree.subtree([]), Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
         self.assertGreater(policy.match_rate[1], 0.9)
         _, planned = policy.plan(tree, False, 1)
         self.assertIn(1, planned.tokens)

@@ -4,8 +4,10 @@ import torch
 from parameterized import parameterized
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from transformers_lookahead import GreedyVerifier, NGramPool, enable_lookahead
+from transformers_lookahead import GreedyVerifier, enable_lookahead
 from transformers_lookahead.verification import SamplingVerifier
+
+from .utils import pool_tree
 
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm
 # is expected about once in ten thousand runs of the suite.
@@ -30,17 +32,10 @@ def homogeneity_p_value(first: torch.Tensor, second: torch.Tensor) -> float:
     return chi_square_p_value(float(statistic), int(keep.sum()) - 1)
 
 
-def _tree(key, continuations, depth):
-    pool = NGramPool(continuation_length=depth, max_per_key=len(continuations))
-    for continuation in continuations:
-        pool.add(key, continuation)
-    return pool.tree(key, depth)
-
-
 class GreedyVerifierTest(unittest.TestCase):
     def test_walks_the_matching_path_and_adds_one_token(self):
         vocab = 10
-        tree = _tree(0, [[3, 4], [5, 6]], 2)
+        tree = pool_tree(0, [[3, 4], [5, 6]], 2)
         rows = torch.full((1 + len(tree), vocab), -5.0)
 
         def prefer(row, token):
@@ -69,7 +64,7 @@ class SamplingVerifierTest(unittest.TestCase):
         torch.manual_seed(0)
         vocab, draws = 8, 20000
         logits = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.0, 1.0, -0.5, 0.7]])
-        tree = _tree(9, continuations, 1) if continuations else _tree(9, [[1]], 0)
+        tree = pool_tree(9, continuations, 1) if continuations else pool_tree(9, [[1]], 0)
         verifier = SamplingVerifier(LogitsProcessorList())
         counts = torch.zeros(vocab)
         rows = torch.cat([logits, torch.zeros(len(tree), vocab)])
@@ -146,7 +141,7 @@ class WarperListTest(unittest.TestCase):
         torch.manual_seed(0)
         processors = LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(2)])
         logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-        tree = _tree(0, [[2], [3]], 1)  # both candidates are outside the top 2: never accepted
+        tree = pool_tree(0, [[2], [3]], 1)  # both candidates are outside the top 2: never accepted
         rows = torch.cat([logits, torch.zeros(len(tree), 4)])
         tokens = {
             SamplingVerifier(processors).verify(rows, tree, 1, torch.tensor([[0]]), 1).tokens[0] for _ in range(300)

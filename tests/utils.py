@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from transformers_lookahead import NGramPool, TokenTree
+
 VOCAB = 96
 # A large init spread makes tiny random models produce varied text; the default 0.02 repeats one token and hides
 # most bugs of a speculative decoder.
@@ -96,3 +98,11 @@ def random_prompt(length: int, seed: int = 0) -> torch.LongTensor:
     generator = torch.Generator().manual_seed(seed)
     base = torch.randint(2, VOCAB, (max(length // 2, 1),), generator=generator)
     return torch.cat([base, base])[:length][None] if length > 1 else base[:length][None]
+
+
+def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree:
+    """The token tree a pool holding `continuations` of `key` offers, cut at `depth`."""
+    pool = NGramPool(continuation_length=depth, max_per_key=max(len(continuations), 1))
+    for continuation in continuations:
+        pool.add(key, continuation)
+    return pool.tree(key, depth)

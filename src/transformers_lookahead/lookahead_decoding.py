@@ -224,9 +224,7 @@ class LookaheadDecoder:
             self.committer.commit(step.length, pending.shape[0], [node_start + n for n in verdict.nodes[: kept - 1]])
             pending = input_ids[0, -kept:] if config.cache_commit == "refeed" else input_ids[0, -1:]
 
-            matched = new_tokens[: len(verdict.nodes)]
-            window_credit = len(matched) if pool.found_by_window(tokens[-1], matched) else 0
-            self.policy.observe(tree, verdict, use_window, window_credit)
+            self.policy.observe(tree, verdict, use_window, pool, tokens[-1])
             if use_window:
                 for ngram in window.update(logits[1:tree_row].argmax(-1)):
                     pool.add(ngram[0], ngram[1:], from_window=True)

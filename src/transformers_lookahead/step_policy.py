@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .cost_model import StepCostModel
-from .ngram_pool import TokenTree
+from .ngram_pool import NGramPool, TokenTree
 from .verification import Verdict
 
 
@@ -38,8 +38,17 @@ class StaticStepPolicy:
         """
         return window_allowed, tree
 
-    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
-        """Learns from a finished step (nothing to learn for a fixed shape)."""
+    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
+        """
+        Learns from a finished step (nothing to learn for a fixed shape).
+
+        Args:
+            tree (`TokenTree`): the tree the step verified.
+            verdict (`Verdict`): what the step accepted.
+            window_used (`bool`): whether the step ran the window.
+            pool (`NGramPool`): the pool the candidates came from.
+            key (`int`): the token the candidates followed.
+        """
 
     def observe_duration(self, length: int, seconds: float) -> None:
         """Learns from the measured duration of a step (nothing to learn for a fixed shape)."""
@@ -172,7 +181,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             probability.append(max(pooled, copied))
         return probability
 
-    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, window_credit: int) -> None:
+    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
         # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
         full_tree = self._offered_tree
         self._learn_matches(full_tree, verdict.tokens)
@@ -183,6 +192,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             self.context_rate[depth] += (1 - self.decay) * (hit - self.context_rate[depth])
             if not hit:
                 break
+        matched = verdict.tokens[: len(verdict.nodes)]
+        window_credit = len(matched) if pool.found_by_window(key, matched) else 0
         self._window_credit = self.decay * self._window_credit + window_credit
         self._window_steps = self.decay * self._window_steps + float(window_used)
         self._steps_without_window = 0 if window_used else self._steps_without_window + 1

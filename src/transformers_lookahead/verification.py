@@ -37,9 +37,14 @@ class GreedyVerifier:
     accepted token is thus the token plain greedy decoding picks at that position, and logits processors see exactly
     the inputs they see in plain decoding: they are called once per accepted token, on the sequence up to it.
 
+    Subclasses change how a node's token is chosen (`choose`); the walk stays the same.
+
     Args:
         logits_processor (`LogitsProcessorList`): the processors `generate` built for the call.
     """
+
+    # Whether the choice is the argmax of the raw logits when there are no processors (the fast path).
+    argmax_of_raw_logits = True
 
     def __init__(self, logits_processor: LogitsProcessorList):
         self.logits_processor = logits_processor
@@ -59,19 +64,18 @@ class GreedyVerifier:
         Returns:
             `Verdict`.
         """
-        processors = self.logits_processor
-        # Without processors the choice is the raw argmax: one reduction and one host transfer for all rows.
-        choices = logits.argmax(-1).tolist() if not processors else None
+        # Greedy without processors chooses the raw argmax: one reduction and one host transfer for all rows.
+        choices = logits.argmax(-1).tolist() if self.argmax_of_raw_logits and not self.logits_processor else None
         verdict = Verdict([], [], [], [])
         row, node = 0, -1
         while True:
             raw = logits[row : row + 1].to(dtype=torch.float32, copy=True)
-            if processors:
-                sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
-                scores = processors(sequence, raw)
-                token = int(scores.argmax(-1))
-            else:
+            if choices is not None:
                 scores, token = raw, choices[row]
+            else:
+                sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
+                scores = self.logits_processor(sequence, raw)
+                token = self.choose(scores[0], tree.children[node + 1])
             verdict.tokens.append(token)
             verdict.logits.append(raw)
             verdict.scores.append(scores)
@@ -81,8 +85,15 @@ class GreedyVerifier:
             verdict.nodes.append(child)
             row, node = tree_row + child, child
 
+    def choose(self, scores: torch.Tensor, candidates: dict[int, int]) -> int:
+        """
+        The token at a node, from its processed scores (shape `(vocab,)`) and the candidates below it (token ->
+        node). The walk continues at the candidate holding the returned token, if any.
+        """
+        return int(scores.argmax(-1))
 
-class SamplingVerifier:
+
+class SamplingVerifier(GreedyVerifier):
     """
     Verification of a token tree that keeps the output distribution of plain sampling.
 
@@ -99,33 +110,14 @@ class SamplingVerifier:
         logits_processor (`LogitsProcessorList`): the processors and warpers `generate` built for the call.
     """
 
-    def __init__(self, logits_processor: LogitsProcessorList):
-        self.logits_processor = logits_processor
+    argmax_of_raw_logits = False
 
-    def verify(
-        self, logits: torch.Tensor, tree: TokenTree, tree_row: int, input_ids: torch.LongTensor, max_tokens: int
-    ) -> Verdict:
-        """Same arguments and result as `GreedyVerifier.verify`."""
-        verdict = Verdict([], [], [], [])
-        row, node = 0, -1
-        while True:
-            raw = logits[row : row + 1].to(dtype=torch.float32, copy=True)
-            sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
-            scores = self.logits_processor(sequence, raw)
-            probs = torch.softmax(scores[0], dim=-1)
-            token, child = None, None
-            for candidate, candidate_node in tree.children[node + 1].items():
-                if float(torch.rand((), device=probs.device)) < float(probs[candidate]):
-                    token, child = candidate, candidate_node
-                    break
-                probs[candidate] = 0.0
-                probs = probs / probs.sum()
-            if token is None:
-                token = int(torch.multinomial(probs, 1))
-            verdict.tokens.append(token)
-            verdict.logits.append(raw)
-            verdict.scores.append(scores)
-            if child is None or len(verdict.tokens) >= max_tokens:
-                return verdict
-            verdict.nodes.append(child)
-            row, node = tree_row + child, child
+    def choose(self, scores: torch.Tensor, candidates: dict[int, int]) -> int:
+        probs = torch.softmax(scores, dim=-1)
+        for candidate in candidates:
+            if float(torch.rand((), device=probs.device)) < float(probs[candidate]):
+                return candidate
+            probs[candidate] = 0.0
+            probs = probs / probs.sum()
+        # Every candidate now has probability 0, so the walk ends here.
+        return int(torch.multinomial(probs, 1))
