@@ -5,6 +5,7 @@ from parameterized import parameterized
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_lookahead import GreedyVerifier, enable_lookahead
+from transformers_lookahead.distribution_check import chi_square_p_value, homogeneity_p_value
 from transformers_lookahead.verification import SamplingVerifier
 
 from .utils import pool_tree
@@ -12,24 +13,6 @@ from .utils import pool_tree
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm
 # is expected about once in ten thousand runs of the suite.
 P_VALUE = 1e-5
-
-
-def chi_square_p_value(statistic: float, degrees_of_freedom: int) -> float:
-    """Survival function of the chi-square distribution (the regularized upper incomplete gamma function)."""
-    return float(torch.special.gammaincc(torch.tensor(degrees_of_freedom / 2.0), torch.tensor(statistic / 2.0)))
-
-
-def homogeneity_p_value(first: torch.Tensor, second: torch.Tensor) -> float:
-    """Chi-square test that two count vectors over the same outcomes come from one distribution."""
-    keep = (first + second) > 0
-    first, second = first[keep].double(), second[keep].double()
-    total = first.sum() + second.sum()
-    expected_first = (first + second) * first.sum() / total
-    expected_second = (first + second) * second.sum() / total
-    statistic = (
-        ((first - expected_first) ** 2) / expected_first + ((second - expected_second) ** 2) / expected_second
-    ).sum()
-    return chi_square_p_value(float(statistic), int(keep.sum()) - 1)
 
 
 class GreedyVerifierTest(unittest.TestCase):

@@ -4,6 +4,7 @@ HumanEval prompts. Methods run interleaved per prompt, so machine noise hits the
 
     python utils/benchmark.py --dataset all --num-prompts 16 --repeats 3
     python utils/benchmark.py --cost-curve
+    python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from .assets import chat_input_ids, held_out_prompts, smollm2_path, tuning_prompts
 from .cost_model import measure_step_costs
+from .distribution_check import homogeneity_p_value, token_counts
 from .generation_mixin import enable_lookahead
 
 # name -> generate() keyword arguments
@@ -32,6 +34,7 @@ METHODS = {
     "lookahead_auto": {"lookahead_window": "auto"},
 }
 SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
+SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
 
 
 @dataclass
@@ -287,6 +290,146 @@ def plot(result: dict, rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def run_sampling_benchmark(args) -> dict:
+    """
+    Plain sampling against lookahead sampling (`lookahead_window="auto"`), interleaved per prompt with the same seed,
+    at each temperature; then a distribution check per temperature (see `_distribution_check`).
+    """
+    from tqdm.auto import tqdm
+
+    model, tokenizer, device = _load(args)
+    prompts = _prompts(args, tokenizer, device)
+    timer = ForwardTimer(model)
+    runs = []
+    model.generate(prompts[0][2], max_new_tokens=8, do_sample=True, lookahead_window="auto")  # warm-up
+    progress = tqdm(total=len(prompts) * args.repeats * len(args.temperatures) * 2, desc="sampling", unit="gen")
+    for temperature in args.temperatures:
+        for index, (prompt_id, category, ids) in enumerate(prompts):
+            for repeat in range(args.repeats):
+                for method, kwargs in SAMPLING_METHODS.items():
+                    torch.manual_seed(1000 * index + repeat)
+                    timer.reset()
+                    start = time.perf_counter()
+                    out = model.generate(
+                        ids, do_sample=True, temperature=temperature, max_new_tokens=args.max_new_tokens, **kwargs
+                    )
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    runs.append(
+                        {
+                            "prompt_id": prompt_id,
+                            "category": category,
+                            "method": method,
+                            "temperature": temperature,
+                            "repeat": repeat,
+                            "new_tokens": out.shape[1] - ids.shape[1],
+                            "seconds": time.perf_counter() - start,
+                            "forward_passes": timer.calls,
+                        }
+                    )
+                    progress.update()
+    progress.close()
+    # The check uses the first HumanEval prompt when there is one: code repeats itself, so candidates get accepted.
+    check_ids = next((ids for _, category, ids in prompts if category == "humaneval"), prompts[0][2])
+    checks = [
+        _distribution_check(model, check_ids, temperature, args.check_runs, args.check_tokens)
+        for temperature in args.temperatures
+    ]
+    return {"environment": _environment(args, device), "runs": runs, "distribution_checks": checks}
+
+
+def _distribution_check(model, ids: torch.LongTensor, temperature: float, runs: int, new_tokens: int) -> dict:
+    """
+    Draws the first `new_tokens` tokens `runs` times with plain sampling (one batched call) and with lookahead
+    sampling (one call per run), and tests per position that both samples come from one distribution.
+    """
+    common = {
+        "do_sample": True,
+        "temperature": temperature,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+    }
+    torch.manual_seed(0)
+    plain = model.generate(ids, num_return_sequences=runs, **common)[:, ids.shape[1] :]
+    lookahead, multi_token_runs = [], 0
+    for _ in range(runs):
+        out = model.generate(ids, lookahead_window="auto", return_dict_in_generate=True, **common)
+        lookahead.append(out.sequences[0, ids.shape[1] :])
+        multi_token_runs += any(kept > 1 for kept in out.accepted_per_step)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    plain_counts, lookahead_counts = token_counts(plain, vocab), token_counts(torch.stack(lookahead), vocab)
+    p_values = [homogeneity_p_value(plain_counts[i], lookahead_counts[i]) for i in range(new_tokens)]
+    return {
+        "temperature": temperature,
+        "runs": runs,
+        "new_tokens": new_tokens,
+        "p_values": p_values,
+        "runs_with_multi_token_steps": multi_token_runs,
+    }
+
+
+def summarize_sampling(result: dict) -> list[dict]:
+    """
+    Per temperature and dataset: tokens/s of each method (total tokens / total seconds, since sampled lengths differ),
+    the speedup as the ratio of those, the median per-prompt speedup, and lookahead's tokens per forward.
+    """
+    groups = defaultdict(list)
+    for run in result["runs"]:
+        dataset = "humaneval" if run["category"] == "humaneval" else "mt_bench"
+        for name in (dataset, "all"):
+            groups[(run["temperature"], name)].append(run)
+    rows = []
+    for (temperature, dataset), selected in sorted(groups.items()):
+        rate = {}
+        per_prompt = defaultdict(dict)
+        for method in SAMPLING_METHODS:
+            mine = [r for r in selected if r["method"] == method]
+            rate[method] = sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+            for prompt_id in {r["prompt_id"] for r in mine}:
+                theirs = [r for r in mine if r["prompt_id"] == prompt_id]
+                per_prompt[prompt_id][method] = sum(r["new_tokens"] for r in theirs) / sum(
+                    r["seconds"] for r in theirs
+                )
+        lookahead = [r for r in selected if r["method"] == "lookahead_sample"]
+        rows.append(
+            {
+                "temperature": temperature,
+                "dataset": dataset,
+                "prompts": len(per_prompt),
+                "sample_tokens_per_s": rate["sample"],
+                "lookahead_tokens_per_s": rate["lookahead_sample"],
+                "speedup": rate["lookahead_sample"] / rate["sample"],
+                "median_prompt_speedup": statistics.median(
+                    rates["lookahead_sample"] / rates["sample"] for rates in per_prompt.values()
+                ),
+                "tokens_per_forward": sum(r["new_tokens"] for r in lookahead)
+                / sum(r["forward_passes"] for r in lookahead),
+            }
+        )
+    return rows
+
+
+def format_sampling_table(rows: list[dict], checks: list[dict]) -> str:
+    header = (
+        f"{'temp':>5} {'dataset':<10} {'n':>3} {'sample tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} "
+        f"{'median':>7} {'tok/fwd':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['temperature']:>5.1f} {row['dataset']:<10} {row['prompts']:>3} {row['sample_tokens_per_s']:>12.1f} "
+            f"{row['lookahead_tokens_per_s']:>15.1f} {row['speedup']:>7.2f}x {row['median_prompt_speedup']:>6.2f}x "
+            f"{row['tokens_per_forward']:>8.2f}"
+        )
+    for check in checks:
+        lines.append(
+            f"distribution check, temperature {check['temperature']}: first {check['new_tokens']} tokens, "
+            f"{check['runs']} runs per method, lowest per-position p-value {min(check['p_values']):.3f}, "
+            f"{check['runs_with_multi_token_steps']} lookahead runs accepted several tokens in a step"
+        )
+    return "\n".join(lines)
+
+
 def run_cost_curve(args) -> None:
     """Forward time against step length (1..256) on the device, written as JSON and PNG."""
     model, _, device = _load(args)
@@ -330,6 +473,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts for the compression-vs-window sweep")
     parser.add_argument("--cost-curve", action="store_true", help="measure forward cost against step length")
+    parser.add_argument(
+        "--sampling", action="store_true", help="plain vs lookahead sampling, with a distribution check"
+    )
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
+    parser.add_argument("--check-runs", type=int, default=300, help="runs per method of the distribution check")
+    parser.add_argument("--check-tokens", type=int, default=6, help="first tokens compared by the distribution check")
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -341,11 +490,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.cost_curve:
         run_cost_curve(args)
         return
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sampling:
+        result = run_sampling_benchmark(args)
+        result["summary"] = summarize_sampling(result)
+        table = format_sampling_table(result["summary"], result["distribution_checks"])
+        (out / "sampling.json").write_text(json.dumps(result, indent=1))
+        (out / "sampling.txt").write_text(table + "\n")
+        print(table)
+        return
     result = run_benchmark(args)
     rows = summarize(result)
     result["summary"] = rows
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "benchmark.json").write_text(json.dumps(result, indent=1))
     table = format_table(rows)
     (out / "benchmark.txt").write_text(table + "\n")
