@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from transformers_lookahead import CacheCommitter, NGramPool, StepLayout
 from transformers_lookahead.cache_commit import attention_groups, layer_types
+from transformers_lookahead.cost_model import cache_argument
 from transformers_lookahead.step_layout import AttentionGroup
 
 from .utils import random_prompt, tiny_model
@@ -31,7 +32,7 @@ class CacheCommitTest(unittest.TestCase):
         pool.add(int(prompt[-1]), [7, 8, 9])
         tree = pool.tree(int(prompt[-1]), 3)
         layout = StepLayout(2, 3, attention_groups(cache, layer_types(model)), torch.float32, torch.device("cpu"))
-        step = layout.build(cache, prompt[-1:], 15, torch.arange(10, 16), tree)
+        step = layout.build(cache, [layout.row(prompt[-1:], 15, torch.arange(10, 16), tree)])
         with torch.no_grad():
             model(
                 input_ids=step.input_ids,
@@ -44,7 +45,7 @@ class CacheCommitTest(unittest.TestCase):
         for token in greedy[:2]:  # the last accepted token stays out of the cache
             node = tree.child(node, token)
             path.append(1 + 6 + node)
-        committer.commit(step.length, 1, path)
+        committer.commit(step.length, [[0, *path]] if strategy == "gather" else [[0]])
         kept = 1 if strategy == "refeed" else 3
         expected_cache = DynamicCache(config=model.config)
         sequence = torch.cat([prompt, torch.tensor(greedy[:2])])[: 16 + kept - 1]
@@ -69,3 +70,54 @@ class CacheCommitTest(unittest.TestCase):
         self.assertEqual(
             attention_groups(DynamicCache(config=tiny_model("llama").config), None), AttentionGroup(0, None)
         )
+
+
+class StaticCacheTest(unittest.TestCase):
+    """Static caches are written in place: a step lands after the held tokens and `crop` only moves the length."""
+
+    def test_user_static_cache_is_never_reallocated(self):
+        from transformers import StaticCache
+
+        from transformers_lookahead import enable_lookahead
+
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(20, seed=8)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        # Exactly the room plain decoding needs: steps near the end must shrink to fit.
+        cache = StaticCache(config=model.config, max_cache_len=20 + 40 - 1)
+        addresses = set()
+        hook = model.register_forward_hook(lambda *args: addresses.add(cache.layers[0].keys.data_ptr()))
+        try:
+            out = model.generate(
+                prompt,
+                max_new_tokens=40,
+                do_sample=False,
+                lookahead_window=4,
+                return_dict_in_generate=True,
+                **{cache_argument(model): cache},
+            )
+        finally:
+            hook.remove()
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.assertLess(out.num_forward_passes, 40, "the test text must let lookahead accept something")
+        self.assertEqual(len(addresses), 1)
+
+    def test_padded_row_with_static_cache(self):
+        from transformers_lookahead import enable_lookahead
+
+        model = enable_lookahead(tiny_model("qwen3"))
+        prompt = random_prompt(16, seed=9)
+        input_ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), prompt], dim=1)
+        attention_mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+        common = {"max_new_tokens": 30, "do_sample": False, "cache_implementation": "static"}
+        expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, **common)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, lookahead_window=4, **common)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_batch_with_static_cache_is_refused(self):
+        from transformers_lookahead import enable_lookahead
+
+        model = enable_lookahead(tiny_model("llama"))
+        prompts = torch.cat([random_prompt(10, seed=1), random_prompt(10, seed=2)])
+        with self.assertRaisesRegex(ValueError, "static cache sized for plain decoding"):
+            model.generate(prompts, max_new_tokens=10, lookahead_window=4, cache_implementation="static")

@@ -231,8 +231,11 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
             ("prompt_lookup", {"prompt_lookup_num_tokens": 3}, "cannot be combined with `prompt_lookup_num_tokens`"),
             ("no_cache", {"use_cache": False}, "needs `use_cache=True`"),
             ("custom_generate", {"custom_generate": "some/repo"}, "cannot be combined with `custom_generate`"),
-            ("static_cache", {"cache_implementation": "static"}, "cache_implementation='static' is not supported"),
-            ("return_sequences", {"num_return_sequences": 2}, "num_return_sequences"),
+            (
+                "quantized_cache",
+                {"cache_implementation": "quantized"},
+                "cache_implementation='quantized' cannot be used",
+            ),
             ("attentions", {"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
             ("window", {"lookahead_window": 0}, '`lookahead_window` must be an integer >= 1 or "auto", got 0'),
             ("ngram", {"lookahead_ngram": 1}, '`lookahead_ngram` must be an integer >= 2 or "auto", got 1'),
@@ -243,10 +246,6 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
         kwargs = {"lookahead_window": 4, "max_new_tokens": 5, **kwargs}
         with self.assertRaisesRegex(ValueError, message):
             self.model.generate(self.prompt, **kwargs)
-
-    def test_refused_batch(self):
-        with self.assertRaisesRegex(ValueError, "a batch of 2 rows"):
-            self.model.generate(torch.cat([self.prompt, self.prompt]), max_new_tokens=5, lookahead_window=4)
 
     def test_refused_assistant(self):
         with self.assertRaisesRegex(ValueError, "cannot be combined with `assistant_model`"):

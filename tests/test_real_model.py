@@ -87,3 +87,49 @@ class SmolLM2LookaheadTest(unittest.TestCase):
         plain = pipe(messages, do_sample=False, max_new_tokens=32)
         fast = pipe(messages, do_sample=False, max_new_tokens=32, lookahead_window=7)
         self.assertEqual(fast, plain)
+
+    def test_sampled_stream_matches_the_returned_text(self):
+        from threading import Thread
+
+        _, ids = self.prompts[PROMPTS_PER_DATASET]
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        result = {}
+
+        def run():
+            torch.manual_seed(7)
+            result["ids"] = self.model.generate(
+                ids, max_new_tokens=48, do_sample=True, temperature=0.7, lookahead_window="auto", streamer=streamer
+            )
+
+        thread = Thread(target=run)
+        thread.start()
+        streamed = "".join(streamer)
+        thread.join()
+        returned = self.tokenizer.decode(result["ids"][0, ids.shape[1] :], skip_special_tokens=True)
+        self.assertEqual(streamed.strip(), returned.strip())
+        self.assertGreater(len(returned), 20)
+
+    def test_left_padded_batch(self):
+        from transformers import pipeline
+
+        self.tokenizer.padding_side = "left"
+        pad = self.tokenizer.pad_token_id
+        rows = [ids for _, ids in (self.prompts[:2] + self.prompts[PROMPTS_PER_DATASET : PROMPTS_PER_DATASET + 2])]
+        length = max(row.shape[1] for row in rows)
+        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for index, row in enumerate(rows):
+            input_ids[index, length - row.shape[1] :] = row[0]
+            attention_mask[index, length - row.shape[1] :] = 1
+        common = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad}
+        expected = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **common)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, lookahead_window="auto", **common
+        )
+        self.assertTrue(torch.equal(out, expected))
+
+        pipe = pipeline("text-generation", model=self.model, tokenizer=self.tokenizer)
+        chats = [[{"role": "user", "content": question}] for question in ("Name three rivers.", "What is 2 + 2?")]
+        plain = pipe(chats, do_sample=False, max_new_tokens=24, batch_size=2)
+        fast = pipe(chats, do_sample=False, max_new_tokens=24, batch_size=2, lookahead_window="auto")
+        self.assertEqual(fast, plain)

@@ -18,7 +18,7 @@ class StepLayoutTest(unittest.TestCase):
         cache = DynamicCache()
         window = torch.tensor([20, 21, 30, 31])
         tree = pool_tree(4, [[7, 8], [7, 9], [5, 6]], 2)
-        step = layout.build(cache, torch.tensor([4]), 10, window, tree)
+        step = layout.build(cache, [layout.row(torch.tensor([4]), 10, window, tree)])
         self.assertEqual(step.input_ids[0, :5].tolist(), [4, 20, 21, 30, 31])
         # cur at p, L[l][i] at p + 1 + l + i, tree nodes at p + depth
         self.assertEqual(step.position_ids[0, :5].tolist(), [10, 11, 12, 12, 13])
@@ -52,7 +52,7 @@ class StepLayoutTest(unittest.TestCase):
         window = torch.tensor([10, 11, 12, 13, 14, 15])
         tree = pool_tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
         position = prompt.shape[0] - 1
-        step = layout.build(cache, prompt[-1:], position, window, tree)
+        step = layout.build(cache, [layout.row(prompt[-1:], position, window, tree)])
         with torch.no_grad():
             logits = model(
                 input_ids=step.input_ids,

@@ -5,6 +5,7 @@ HumanEval prompts. Methods run interleaved per prompt, so machine noise hits the
     python utils/benchmark.py --dataset all --num-prompts 16 --repeats 3
     python utils/benchmark.py --cost-curve
     python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
+    python utils/benchmark.py --batched --num-prompts 4 --repeats 2
 """
 
 from __future__ import annotations
@@ -430,6 +431,134 @@ def format_sampling_table(rows: list[dict], checks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _left_pad(rows: list[torch.LongTensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stacks `(1, length)` prompts into a left-padded batch with its attention mask."""
+    length = max(row.shape[1] for row in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device=rows[0].device)
+    attention_mask = torch.zeros_like(input_ids)
+    for index, row in enumerate(rows):
+        input_ids[index, length - row.shape[1] :] = row[0]
+        attention_mask[index, length - row.shape[1] :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def run_batched_benchmark(args) -> dict:
+    """
+    Batched greedy against batched lookahead (`lookahead_window="auto"`) for each batch size, on the same prompts
+    cut into left-padded batches; the two methods run interleaved per batch.
+    """
+    from tqdm.auto import tqdm
+
+    model, tokenizer, device = _load(args)
+    prompts = _prompts(args, tokenizer, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad_id}
+    methods = {"greedy": {}, "lookahead_auto": {"lookahead_window": "auto"}}
+    warm = _left_pad([prompts[0][2], prompts[-1][2]], pad_id)
+    for kwargs in methods.values():
+        model.generate(**warm, **common, **kwargs)
+    runs = []
+    total = sum(-(-len(prompts) // size) for size in args.batch_sizes) * args.repeats * len(methods)
+    progress = tqdm(total=total, desc="batched", unit="batch")
+    for size in args.batch_sizes:
+        for start in range(0, len(prompts), size):
+            group = prompts[start : start + size]
+            inputs = _left_pad([ids for _, _, ids in group], pad_id)
+            reference = None
+            for repeat in range(args.repeats):
+                for method, kwargs in methods.items():
+                    begin = time.perf_counter()
+                    out = model.generate(**inputs, **common, **kwargs)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    seconds = time.perf_counter() - begin
+                    reference = out if reference is None else reference
+                    generated = out[:, inputs["input_ids"].shape[1] :]
+                    runs.append(
+                        {
+                            "batch_size": size,
+                            "batch": start // size,
+                            "method": method,
+                            "repeat": repeat,
+                            # Padding after a row's EOS is not a generated token.
+                            "new_tokens": int(_generated_lengths(generated, tokenizer.eos_token_id).sum()),
+                            "seconds": seconds,
+                            "identical_to_greedy": bool(torch.equal(out, reference)),
+                        }
+                    )
+                    progress.update()
+    progress.close()
+    return {"environment": _environment(args, device), "runs": runs}
+
+
+def _generated_lengths(generated: torch.LongTensor, eos_id: int | None) -> torch.LongTensor:
+    """Per row, the tokens up to and including the first EOS (all of them if there is none)."""
+    length = generated.shape[1]
+    if eos_id is None:
+        return torch.full((generated.shape[0],), length)
+    is_eos = generated == eos_id
+    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, torch.tensor(length))
+    return first.cpu()
+
+
+def summarize_batched(result: dict) -> list[dict]:
+    """Per batch size: tokens/s of each method (median over repeats of each batch's time, summed) and the speedup."""
+    rows = []
+    for size in sorted({run["batch_size"] for run in result["runs"]}):
+        mine = [run for run in result["runs"] if run["batch_size"] == size]
+        seconds, tokens = {}, {}
+        for method in ("greedy", "lookahead_auto"):
+            runs = [run for run in mine if run["method"] == method]
+            batches = sorted({run["batch"] for run in runs})
+            seconds[method] = sum(
+                statistics.median(run["seconds"] for run in runs if run["batch"] == batch) for batch in batches
+            )
+            tokens[method] = sum(next(run["new_tokens"] for run in runs if run["batch"] == batch) for batch in batches)
+        lookahead = [run for run in mine if run["method"] == "lookahead_auto"]
+        rows.append(
+            {
+                "batch_size": size,
+                "greedy_tokens_per_s": tokens["greedy"] / seconds["greedy"],
+                "lookahead_tokens_per_s": tokens["lookahead_auto"] / seconds["lookahead_auto"],
+                "speedup": seconds["greedy"] / seconds["lookahead_auto"],
+                "identical": sum(run["identical_to_greedy"] for run in lookahead),
+                "runs": len(lookahead),
+            }
+        )
+    return rows
+
+
+def format_batched_table(rows: list[dict]) -> str:
+    header = f"{'batch':>5} {'greedy tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} {'identical':>9}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['batch_size']:>5} {row['greedy_tokens_per_s']:>12.1f} {row['lookahead_tokens_per_s']:>15.1f} "
+            f"{row['speedup']:>7.2f}x {row['identical']:>4}/{row['runs']}"
+        )
+    return "\n".join(lines)
+
+
+def plot_batched(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    sizes = [row["batch_size"] for row in rows]
+    axis.plot(sizes, [row["greedy_tokens_per_s"] for row in rows], marker="o", label="batched greedy")
+    axis.plot(sizes, [row["lookahead_tokens_per_s"] for row in rows], marker="o", label="batched lookahead (auto)")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(sizes, [str(size) for size in sizes])
+    axis.set_xlabel("batch size")
+    axis.set_ylabel("generated tokens / s")
+    axis.set_title("Batched throughput")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def run_cost_curve(args) -> None:
     """Forward time against step length (1..256) on the device, written as JSON and PNG."""
     model, _, device = _load(args)
@@ -479,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     parser.add_argument("--check-runs", type=int, default=300, help="runs per method of the distribution check")
     parser.add_argument("--check-tokens", type=int, default=6, help="first tokens compared by the distribution check")
+    parser.add_argument("--batched", action="store_true", help="batched greedy vs batched lookahead throughput")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -498,6 +629,15 @@ def main(argv: list[str] | None = None) -> None:
         table = format_sampling_table(result["summary"], result["distribution_checks"])
         (out / "sampling.json").write_text(json.dumps(result, indent=1))
         (out / "sampling.txt").write_text(table + "\n")
+        print(table)
+        return
+    if args.batched:
+        result = run_batched_benchmark(args)
+        result["summary"] = summarize_batched(result)
+        table = format_batched_table(result["summary"])
+        (out / "batched.json").write_text(json.dumps(result, indent=1))
+        (out / "batched.txt").write_text(table + "\n")
+        plot_batched(result["summary"], out / "batched.png")
         print(table)
         return
     result = run_benchmark(args)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 from .step_layout import AttentionGroup
+
+# Layer classes whose `crop` puts them back as they were before a step.
+ROLLBACK_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
 
 
 def layer_types(model) -> list[str] | None:
@@ -30,7 +33,9 @@ def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, A
     for idx, layer in enumerate(cache.layers):
         name = layer_types[idx] if layer_types is not None else "full_attention"
         if name not in groups:
-            groups[name] = AttentionGroup(idx, layer.sliding_window if layer.is_sliding else None)
+            # A static sliding layer that can be rolled back never holds more than its window: no key is too far.
+            window = getattr(layer, "sliding_window", None) if layer.is_sliding else None
+            groups[name] = AttentionGroup(idx, window)
     if len({group.sliding_window for group in groups.values()}) == 1:
         return next(iter(groups.values()))
     return groups
@@ -50,47 +55,99 @@ class CacheCommitter:
       never touches layer tensors, at the price of `m` more tokens in the next forward pass.
 
     Sliding-window layers keep their full recent states until the crop (`activate_past_recording`), so both ways
-    work for them too.
+    work for them too. Static layers (`StaticCache`) are written in place: the step lands right after the tokens
+    they hold, `crop` moves their length back and the next step overwrites what was dropped; nothing is reallocated.
+
+    In a batch every sequence keeps its own tokens; the cache grows by the most any sequence kept (see `commit`).
 
     Args:
-        cache (`Cache`): a cache whose layers are `DynamicLayer` or `DynamicSlidingWindowLayer`.
+        cache (`Cache`): a cache whose layers are among `ROLLBACK_LAYERS`.
         strategy (`str`): `"gather"` or `"refeed"`.
     """
 
     def __init__(self, cache: Cache, strategy: str = "gather"):
         if strategy not in CACHE_COMMIT_STRATEGIES:
             raise ValueError(f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {strategy!r}.")
-        unsupported = {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
-        if unsupported or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
-            raise ValueError(
-                f"Lookahead decoding rolls back `DynamicCache` layers; this cache ({type(cache).__name__}) has "
-                f"{sorted(unsupported)} layers. Use the default `DynamicCache`."
-            )
+        for layer in cache.layers:
+            kind = type(layer).__name__
+            if kind not in ROLLBACK_LAYERS:
+                raise ValueError(
+                    f"Lookahead decoding rolls the cache back after every step; {type(cache).__name__} has {kind} "
+                    f"layers, which cannot be rolled back. Use a cache whose layers are one of {ROLLBACK_LAYERS}: "
+                    '`DynamicCache` (the default) or `cache_implementation="static"`.'
+                )
+            if isinstance(layer, StaticSlidingWindowLayer) and not layer.is_croppable:
+                raise ValueError(
+                    f"A static sliding-window layer (window {layer.max_cache_len}) cannot be rolled back once the "
+                    "generation outgrows its window. Use the default dynamic cache for this model, or keep "
+                    "prompt + `max_new_tokens` within the window."
+                )
         self.cache = cache
         self.strategy = strategy
+        self.is_static = any(isinstance(layer, StaticLayer) for layer in cache.layers)
+
+    def room(self) -> int | None:
+        """How many tokens the next step may feed: what the static buffers have left, `None` for dynamic caches."""
+        if not self.is_static:
+            return None
+        return min(
+            layer.max_cache_len - layer.get_seq_length()
+            for layer in self.cache.layers
+            if isinstance(layer, StaticLayer)
+        )
 
     def start(self) -> None:
         """Called once after the prefill: from here on, sliding layers keep the states a crop may need."""
         if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.cache.layers):
             self.cache.activate_past_recording()
 
-    def commit(self, step_length: int, pending_length: int, kept_nodes_rows: list[int]) -> None:
+    @staticmethod
+    def _step_start(layer, step_length: int) -> int:
+        """Where the step's entries begin in the layer's tensors, after its forward pass."""
+        if isinstance(layer, StaticLayer):
+            # Static buffers: the step was written right after the tokens already held.
+            return layer.get_seq_length() - step_length
+        return layer.keys.shape[-2] - step_length
+
+    def commit(self, step_length: int, kept_rows: list[list[int]]) -> int:
         """
+        Keeps, for each sequence of the batch, the entries of its `kept_rows` (in order) right after the cache as it
+        was before the step, and drops the rest of the step.
+
+        Sequences keep different numbers of tokens; every sequence gets `A = max(len(rows))` new slots, and a
+        sequence that keeps fewer leaves the remainder of its slots unused: the caller masks them out in every later
+        step (see `LookaheadDecoder`).
+
         Args:
             step_length (`int`): T, the tokens of the step's forward pass.
-            pending_length (`int`): the step's pending tokens (its first rows), all kept.
-            kept_nodes_rows (`list[int]`): step rows of the tree nodes to keep after them, in order. Ignored by
-                `"refeed"`, which feeds those tokens again.
+            kept_rows (`list[list[int]]`): per sequence, the step rows to keep: its pending tokens, then (for
+                `"gather"`) the accepted tree nodes. Each list is non-empty.
+
+        Returns:
+            `int`: A, the slots added to every sequence.
         """
-        kept = len(kept_nodes_rows) if self.strategy == "gather" else 0
-        if kept:
+        added = max(len(rows) for rows in kept_rows)
+        if any(rows != list(range(len(rows))) for rows in kept_rows):
+            batch = len(kept_rows)
+            # Unused slots copy the row's last kept entry: any finite value does, they are masked.
+            index = [rows + rows[-1:] * (added - len(rows)) for rows in kept_rows]
+            first_layer = next(layer for layer in self.cache.layers if layer.is_initialized)
+            source = torch.tensor(index, device=first_layer.keys.device)
             for layer in self.cache.layers:
                 if not layer.is_initialized:
                     continue
-                start = layer.keys.shape[-2] - step_length
-                source = torch.tensor(kept_nodes_rows, device=layer.keys.device) + start
-                target = slice(start + pending_length, start + pending_length + kept)
-                layer.keys[..., target, :] = layer.keys[..., source, :]
-                layer.values[..., target, :] = layer.values[..., source, :]
+                start = self._step_start(layer, step_length)
+                if batch == 1:
+                    rows = source[0] + start
+                    layer.keys[..., start : start + added, :] = layer.keys[..., rows, :]
+                    layer.values[..., start : start + added, :] = layer.values[..., rows, :]
+                    continue
+                heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
+                gather_index = source[:, None, :, None].expand(batch, heads, added, head_dim)
+                keys = torch.gather(layer.keys[:, :, start:], 2, gather_index)
+                values = torch.gather(layer.values[:, :, start:], 2, gather_index)
+                layer.keys[:, :, start : start + added] = keys
+                layer.values[:, :, start : start + added] = values
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
-        self.cache.crop(-(step_length - pending_length - kept))
+        self.cache.crop(-(step_length - added))
+        return added

@@ -23,6 +23,7 @@ CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
 # Attention backends that apply an arbitrary additive 4D mask. Every other backend (flash attention in particular)
 # rebuilds a causal mask from the sequence layout and would silently let the lookahead branches see each other.
 SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 DEFAULT_NGRAM = 5
 AUTO = "auto"
@@ -139,10 +140,32 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f'`{name}` must be an integer >= {minimum} or "auto", got {value!r}.')
 
 
+def check_cache_implementation(cache_implementation: str | None) -> None:
+    """
+    Refuses a `cache_implementation` whose cache cannot be rolled back after a step.
+
+    Raises:
+        `ValueError` naming the setting and the supported values.
+    """
+    if cache_implementation in SUPPORTED_CACHE_IMPLEMENTATIONS:
+        return
+    if "offloaded" in str(cache_implementation):
+        reason = "offloaded caches move layers between devices inside the forward pass, where a step's rollback "
+        reason += "cannot reach them"
+    elif cache_implementation == "quantized":
+        reason = "quantized caches re-quantize what they hold, so dropping a step's entries is not exact"
+    else:
+        reason = "it is not a cache lookahead decoding knows how to roll back"
+    supported = tuple(name for name in SUPPORTED_CACHE_IMPLEMENTATIONS if name)
+    raise ValueError(
+        f"Lookahead decoding rolls the cache back after every step; cache_implementation={cache_implementation!r} "
+        f"cannot be used: {reason}. Use one of {supported} or leave it unset."
+    )
+
+
 def validate_lookahead_setup(
     model: PreTrainedModel,
     generation_config: GenerationConfig,
-    batch_size: int,
     model_kwargs: dict[str, Any],
     assistant_model: PreTrainedModel | None = None,
 ) -> None:
@@ -152,7 +175,6 @@ def validate_lookahead_setup(
     Args:
         model (`PreTrainedModel`): the model `generate` was called on.
         generation_config (`GenerationConfig`): the fully resolved generation config of the call.
-        batch_size (`int`): rows of `input_ids` after expansion for `num_return_sequences`.
         model_kwargs (`dict`): the model keyword arguments `generate` prepared (cache, attention mask, ...).
         assistant_model (`PreTrainedModel`, *optional*): the assistant passed to `generate`, if any.
 
@@ -182,33 +204,17 @@ def validate_lookahead_setup(
                 f"Lookahead decoding cannot be combined with `{name}`: both decide how tokens are proposed. "
                 f"Use either lookahead (`lookahead_window`) or `{name}`, not both."
             )
-    if batch_size != 1:
-        raise ValueError(
-            f"Lookahead decoding supports one sequence per call for now; got a batch of {batch_size} rows "
-            "(input rows x `num_return_sequences`). Call `generate` once per prompt."
-        )
     if not generation_config.use_cache:
         raise ValueError(
             "Lookahead decoding keeps the accepted tokens in the KV cache and needs `use_cache=True`; "
             "got `use_cache=False`."
         )
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"Lookahead decoding rolls the cache back with `DynamicCache.crop`; "
-            f"cache_implementation={generation_config.cache_implementation!r} is not supported. "
-            "Use the default dynamic cache (`cache_implementation=None`)."
-        )
+    check_cache_implementation(generation_config.cache_implementation)
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(
             "Lookahead decoding cannot return `output_attentions` / `output_hidden_states`: one forward pass holds "
             "several speculative branches, so per-token attentions are not those of plain decoding. "
             "Set both to False."
-        )
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "Lookahead decoding got an `attention_mask` with padding; with one sequence per call no padding is "
-            "needed: pass the prompt unpadded."
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("Lookahead decoding needs `input_ids`; got `inputs_embeds`. Pass token ids instead.")

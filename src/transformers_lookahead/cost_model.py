@@ -123,7 +123,9 @@ def measure_step_costs(model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID
     layout = StepLayout(1, 1, attention_groups(cache, layer_types(model)), dtype, device)
 
     def timed(length: int) -> float:
-        step = layout.build(cache, ids[0, _CONTEXT : _CONTEXT + length], _CONTEXT + length - 1, None, TokenTree())
+        step = layout.build(
+            cache, [layout.row(ids[0, _CONTEXT : _CONTEXT + length], _CONTEXT + length - 1, None, TokenTree())]
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()

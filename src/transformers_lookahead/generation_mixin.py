@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig
+from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation
 from .lookahead_decoding import generate as lookahead_generate
 
 if TYPE_CHECKING:
@@ -72,6 +72,13 @@ def generate_with_lookahead(
             "Lookahead decoding cannot be combined with `custom_generate`: both replace the decoding loop. "
             "Remove `custom_generate`, or the `lookahead_*` settings."
         )
+    # `generate` builds the cache before handing over, and fails on some caches (e.g. quantized ones without their
+    # backend installed) with errors unrelated to lookahead: check the setting first.
+    cache_implementation = kwargs.get("cache_implementation")
+    for source in (generation_config, getattr(model, "generation_config", None)):
+        if cache_implementation is None and source is not None:
+            cache_implementation = getattr(source, "cache_implementation", None)
+    check_cache_implementation(cache_implementation)
     _bind_stop_strings(model, generation_config, kwargs)
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
     # streamer and the assistant travel bound to the callable.

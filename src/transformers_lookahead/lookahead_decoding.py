@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import (
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_commit import CacheCommitter, attention_groups, layer_types
 from .configuration_lookahead import AUTO_CONTEXT_DEPTH, AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
 from .cost_model import StepCostModel, cache_argument
 from .lookahead_window import LookaheadWindow
-from .ngram_pool import ContextIndex, NGramPool
-from .step_layout import StepLayout
+from .ngram_pool import ContextIndex, NGramPool, TokenTree
+from .step_layout import RowStep, StepInputs, StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
-from .verification import GreedyVerifier, SamplingVerifier
+from .verification import GreedyVerifier, SamplingVerifier, Verdict
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -34,12 +40,15 @@ class LookaheadDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     `GenerateDecoderOnlyOutput` plus what lookahead decoding did.
 
     Args:
-        num_forward_passes (`int`): forward passes of the model, the prefill included.
-        accepted_per_step (`tuple[int]`): tokens added to the sequence by each decoding step after the prefill.
+        num_forward_passes (`int`): forward passes of the model, the prefill included (one per step for the whole
+            batch).
+        accepted_per_step (`tuple[int]` or `tuple[tuple[int]]`): tokens added to the sequence by each decoding step
+            after the prefill; for a batch of several rows, one such tuple per row (rows that finish early have
+            fewer steps).
     """
 
     num_forward_passes: int | None = None
-    accepted_per_step: tuple[int, ...] | None = None
+    accepted_per_step: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
 
 
 def generate(
@@ -70,7 +79,8 @@ def generate(
 
     Args:
         model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks.
-        input_ids (`torch.LongTensor` of shape `(1, prompt_length)`): the prompt.
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the prompts, left-padded as
+            `generate` expects (the padding is read from `model_kwargs["attention_mask"]`).
         logits_processor (`LogitsProcessorList`): processors applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
@@ -85,7 +95,8 @@ def generate(
         model_kwargs: the model keyword arguments `generate` prepared, the cache among them.
 
     Returns:
-        `torch.LongTensor` of shape `(1, length)`, or `LookaheadDecoderOnlyOutput` if
+        `torch.LongTensor` of shape `(batch_size, length)` (finished rows padded with `pad_token_id`, as plain
+        `generate` pads them), or `LookaheadDecoderOnlyOutput` if
         `generation_config.return_dict_in_generate=True`.
     """
     overrides = {
@@ -98,9 +109,15 @@ def generate(
     config = LookaheadConfig.from_sources(overrides, generation_config)
     if config is None:
         config = LookaheadConfig(window=DEFAULT_WINDOW)
-    validate_lookahead_setup(model, generation_config, input_ids.shape[0], model_kwargs, lookahead_assistant_model)
+    validate_lookahead_setup(model, generation_config, model_kwargs, lookahead_assistant_model)
     if synced_gpus:
         raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")
+    if lookahead_streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"Streaming supports one sequence; got a batch of {input_ids.shape[0]} rows (input rows x "
+            "`num_return_sequences`). With lookahead the rows advance by different numbers of tokens per step, so "
+            "there is no per-step token column to stream: generate the rows one at a time to stream them."
+        )
     cache = model_kwargs.get("cache")
     committer = CacheCommitter(cache, config.cache_commit)
     return LookaheadDecoder(model, config, logits_processor, stopping_criteria, generation_config, committer).run(
@@ -108,9 +125,54 @@ def generate(
     )
 
 
+class SequenceState:
+    """
+    One sequence of the batch: its tokens, n-gram pool, window, step policy and what it accepted so far.
+
+    Args:
+        index (`int`): the sequence's row in the batch `generate` was called with.
+        input_ids (`torch.LongTensor` of shape `(1, length)`): the sequence as plain `generate` holds it (left
+            padding included), which is what logits processors and stopping criteria see.
+        tokens (`list[int]`): the sequence without its padding, which the pool and the window learn from.
+        limit (`int`): the length the sequence may not exceed.
+    """
+
+    def __init__(self, index: int, input_ids: torch.LongTensor, tokens: list[int], limit: int):
+        self.index = index
+        self.input_ids = input_ids
+        self.tokens = tokens
+        self.limit = limit
+        self.pending = input_ids[0, -1:]
+        self.stopped_at: int | None = None
+        self.done = False
+        self.accepted: list[int] = []
+        self.scores: list[torch.Tensor] = []
+        self.raw_logits: list[torch.Tensor] = []
+        self.pool: NGramPool
+        self.window: LookaheadWindow
+        self.policy: StaticStepPolicy
+        self.context: ContextIndex | None
+        self.verifier: GreedyVerifier
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def position(self) -> int:
+        """The position of the last token (the first real token is at 0, as with left-padded plain decoding)."""
+        return len(self.tokens) - 1
+
+
 class LookaheadDecoder:
     """
     The decoding loop of one `generate` call.
+
+    Every sequence of the batch has its own window, pool, policy and acceptance; one forward pass per step serves
+    all of them, each sequence's step padded to the longest. The cache is shared: after a step every sequence gets
+    as many new slots as the sequence that accepted the most, and `slot_valid` records which slots hold a token of
+    which sequence (left padding and unused slots do not), so every later mask hides the others. Finished
+    sequences leave the batch (`Cache.batch_select_indices`), so they stop costing compute.
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -137,52 +199,102 @@ class LookaheadDecoder:
         self.generation_config = generation_config
         self.committer = committer
         if config.adaptive:
-            cost = StepCostModel.for_model(model)
-            self.window_size = choose_window(cost, config.levels, AUTO_MAX_WINDOW)
-            self.policy = AdaptiveStepPolicy(
-                cost, self.window_size * config.levels, config.levels, context_depth=AUTO_CONTEXT_DEPTH
-            )
-            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
-            self.context = ContextIndex() if config.pool_from_prompt else None
+            self.cost = StepCostModel.for_model(model)
+            self.window_size = choose_window(self.cost, config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
-            self.policy = StaticStepPolicy()
-            self.context = None
         forward_parameters = inspect.signature(model.forward).parameters
         self.cache_argument = cache_argument(model)
         self.slices_logits = "logits_to_keep" in forward_parameters
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         return_dict = generation_config.return_dict_in_generate
-        self.scores = () if return_dict and generation_config.output_scores else None
-        self.raw_logits = () if return_dict and generation_config.output_logits else None
+        self.keep_scores = return_dict and generation_config.output_scores
+        self.keep_logits = return_dict and generation_config.output_logits
+        # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
+        # criteria fired keeps generating until every sequence's have.
+        self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+
+    def max_step_length(self) -> int:
+        """The most tokens one sequence's step can hold."""
+        config = self.config
+        pending = 1 if config.cache_commit == "gather" else config.levels + 1 + AUTO_CONTEXT_DEPTH
+        window = self.window_size * config.levels
+        tree = config.guess * config.levels + (AUTO_CONTEXT_DEPTH if config.adaptive else 0)
+        return pending + window + tree
+
+    def _equip(self, sequence: SequenceState) -> None:
+        """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
+        config, tokens = self.config, sequence.tokens
+        sequence.pool = NGramPool(config.levels, config.guess)
+        if config.pool_from_prompt:
+            sequence.pool.add_sequence(tokens)
+        sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
+        if config.adaptive:
+            sequence.policy = AdaptiveStepPolicy(
+                self.cost, self.window_size * config.levels, config.levels, context_depth=AUTO_CONTEXT_DEPTH
+            )
+            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
+            sequence.context = ContextIndex() if config.pool_from_prompt else None
+        else:
+            sequence.policy = StaticStepPolicy()
+            sequence.context = None
+        verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
+        sequence.verifier = verifier_class(processors_for_row(self.logits_processor, sequence.index))
 
     def run(
-        self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], streamer: BaseStreamer | None
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any],
+        streamer: BaseStreamer | None,
     ) -> LookaheadDecoderOnlyOutput | torch.LongTensor:
         model, config, cache = self.model, self.config, self.committer.cache
-        max_length = self.generation_config.max_length
         if streamer is not None:
             streamer.put(input_ids.cpu())
+        attention_mask = model_kwargs.get("attention_mask")
 
         outputs = model._prefill(input_ids, self.generation_config, model_kwargs)
-        forward_passes, accepted_per_step = 1, []
+        forward_passes = 1
         first = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
         first_scores = self.logits_processor(input_ids, first)
         del outputs
         if self.generation_config.do_sample:
-            first_token = int(torch.multinomial(torch.softmax(first_scores[0], dim=-1), 1))
+            first_tokens = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[:, 0].tolist()
         else:
-            first_token = int(first_scores.argmax(-1))
-        input_ids, kept, done = self._append(input_ids, [first_token], [first], [first_scores])
-        self._stream(streamer, input_ids, kept)
+            first_tokens = first_scores.argmax(-1).tolist()
+
+        # Padding or a batch: the cache slots of each sequence are tracked and masked (see the class docstring).
+        batched = input_ids.shape[0] > 1 or attention_mask is not None
+        if batched:
+            self._check_sliding_room(input_ids)
+            if self.committer.is_static and input_ids.shape[0] > 1:
+                raise ValueError(
+                    "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
+                    f"static cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows with "
+                    "a static cache. Use the default dynamic cache for batches, or one row per call."
+                )
+        slot_valid = None
+        if batched:
+            slot_valid = (
+                attention_mask.bool()
+                if attention_mask is not None
+                else torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            )
+        sequences = []
+        for index in range(input_ids.shape[0]):
+            row = input_ids[index : index + 1]
+            tokens = row[0].tolist() if slot_valid is None else row[0, slot_valid[index]].tolist()
+            sequence = SequenceState(index, row, tokens, self.generation_config.max_length)
+            verdict = Verdict([first_tokens[index]], [], [first[index : index + 1]], [first_scores[index : index + 1]])
+            self._append(sequence, verdict)
+            sequence.tokens.append(first_tokens[index])
+            sequence.pending = sequence.input_ids[0, -1:]
+            self._equip(sequence)
+            sequences.append(sequence)
+        self._stream(streamer, sequences[0], 1)
+        self._settle(sequences)
 
         self.committer.start()
-        tokens = input_ids[0].tolist()
-        pool = NGramPool(config.levels, config.guess)
-        if config.pool_from_prompt:
-            pool.add_sequence(tokens)
-        window = LookaheadWindow(self.window_size, config.levels, input_ids[0])
         layout = StepLayout(
             self.window_size,
             config.levels,
@@ -190,63 +302,135 @@ class LookaheadDecoder:
             model.dtype,
             input_ids.device,
         )
-        verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
-        verifier = verifier_class(self.logits_processor)
-        pending = input_ids[0, -1:]
-
-        while not done:
-            length = input_ids.shape[1]
-            position = length - 1
-            position_room = (self.max_positions - 1 - position) if self.max_positions else max_length
-            depth = min(config.levels, max_length - length - 1, position_room)
-            window_allowed = position_room >= config.levels + self.window_size - 1
-            tree = pool.tree(tokens[-1], depth)
-            if self.context is not None:
-                self.context.update(tokens)
-                room = min(AUTO_CONTEXT_DEPTH, max_length - length - 1, position_room)
-                tree.add_path(self.context.continuation(tokens, room))
-            use_window, tree = self.policy.plan(tree, window_allowed, pending.shape[0])
-            step = layout.build(cache, pending, position, window.flat() if use_window else None, tree)
+        active = [sequence for sequence in sequences if not sequence.done]
+        if active and len(active) < len(sequences):
+            slot_valid = self._keep_running(active, sequences, slot_valid)
+        while active:
+            plans = [self._plan(sequence, layout) for sequence in active]
+            step = layout.build(cache, [plan[2] for plan in plans], slot_valid)
 
             started = time.perf_counter()
             logits = self._forward(step)
             forward_passes += 1
-            tree_row = 1 + (self.window_size if use_window else 0)
-            verdict = verifier.verify(logits, tree, tree_row, input_ids, max_length - length)
+            kept_rows = []
+            for b, (sequence, (use_window, tree, row_step)) in enumerate(zip(active, plans)):
+                row_logits = logits[b] if step.row_logits[b] is None else logits[b, step.row_logits[b]]
+                verdict = sequence.verifier.verify(
+                    row_logits, tree, row_step.tree_row, sequence.input_ids, sequence.limit - sequence.length
+                )
+                kept = self._append(sequence, verdict)
+                sequence.accepted.append(kept)
+                self._stream(streamer, sequence, kept)
+
+                pending_length = sequence.pending.shape[0]
+                node_start = pending_length + (len(sequence.window) if use_window else 0)
+                rows = list(range(pending_length))
+                if config.cache_commit == "gather":
+                    rows += [node_start + node for node in verdict.nodes[: kept - 1]]
+                kept_rows.append(rows)
+                sequence.pending = (
+                    sequence.input_ids[0, -kept:] if config.cache_commit == "refeed" else sequence.input_ids[0, -1:]
+                )
+
+                last = sequence.tokens[-1]
+                sequence.policy.observe(tree, verdict, use_window, sequence.pool, last)
+                if use_window:
+                    top_level = row_logits[1 : row_step.tree_row].argmax(-1)
+                    for ngram in sequence.window.update(top_level):
+                        sequence.pool.add(ngram[0], ngram[1:], from_window=True)
+                sequence.tokens.extend(verdict.tokens[:kept])
+                if config.pool_from_prompt:
+                    sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
             # `verify` reads the choices on the host, so on accelerators too the step has finished here.
-            self.policy.observe_duration(step.length, time.perf_counter() - started)
-            input_ids, kept, done = self._append(input_ids, verdict.tokens, verdict.logits, verdict.scores)
-            accepted_per_step.append(kept)
-            self._stream(streamer, input_ids, kept)
+            elapsed = time.perf_counter() - started
+            for sequence in active:
+                sequence.policy.observe_duration(step.length, elapsed)
 
-            new_tokens = verdict.tokens[:kept]
-            node_start = pending.shape[0] + (len(window) if use_window else 0)
-            self.committer.commit(step.length, pending.shape[0], [node_start + n for n in verdict.nodes[: kept - 1]])
-            pending = input_ids[0, -kept:] if config.cache_commit == "refeed" else input_ids[0, -1:]
-
-            self.policy.observe(tree, verdict, use_window, pool, tokens[-1])
-            if use_window:
-                for ngram in window.update(logits[1:tree_row].argmax(-1)):
-                    pool.add(ngram[0], ngram[1:], from_window=True)
-            tokens.extend(new_tokens)
-            if config.pool_from_prompt:
-                pool.add_sequence(tokens, first_key=len(tokens) - kept - config.levels)
+            added = self.committer.commit(step.length, kept_rows)
+            if slot_valid is not None:
+                kept_counts = torch.tensor([len(rows) for rows in kept_rows], device=slot_valid.device)
+                new_slots = torch.arange(added, device=slot_valid.device)[None, :] < kept_counts[:, None]
+                slot_valid = torch.cat([slot_valid, new_slots], dim=1)
+            self._settle(sequences)
+            still_running = [sequence for sequence in active if not sequence.done]
+            if len(still_running) < len(active) and still_running:
+                slot_valid = self._keep_running(still_running, active, slot_valid)
+            active = still_running
 
         if streamer is not None:
             streamer.end()
+        output_ids = self._output_ids(sequences)
         if not self.generation_config.return_dict_in_generate:
-            return input_ids
+            return output_ids
         return LookaheadDecoderOnlyOutput(
-            sequences=input_ids,
-            scores=self.scores,
-            logits=self.raw_logits,
-            cache=cache,
+            sequences=output_ids,
+            scores=self._per_token(sequences, "scores") if self.keep_scores else None,
+            logits=self._per_token(sequences, "raw_logits") if self.keep_logits else None,
+            # With several sequences the cache holds unused slots and only the rows still running at the end.
+            cache=cache if len(sequences) == 1 and not batched else None,
             num_forward_passes=forward_passes,
-            accepted_per_step=tuple(accepted_per_step),
+            accepted_per_step=(
+                tuple(sequences[0].accepted)
+                if len(sequences) == 1
+                else tuple(tuple(sequence.accepted) for sequence in sequences)
+            ),
         )
 
-    def _forward(self, step) -> torch.Tensor:
-        """Runs the step's forward pass; returns the logits of `step.logits_rows`, shape `(rows, vocab)`."""
+    def _check_sliding_room(self, input_ids: torch.LongTensor) -> None:
+        """
+        With padding or a batch, cache slots are not positions: a sliding layer that drops its oldest slots could
+        drop a token some sequence still needs. Such a layer is exact while it drops nothing, i.e. while the cache
+        stays shorter than its window; refuse calls that could outgrow it.
+        """
+        windows = [layer.sliding_window for layer in self.committer.cache.layers if layer.is_sliding]
+        if not windows:
+            return
+        batch, prompt_length = input_ids.shape
+        # Each step adds at most the tokens some sequence accepted, so all steps add at most batch x new tokens.
+        new_tokens = self.generation_config.max_length - prompt_length
+        needed = prompt_length + batch * new_tokens + self.max_step_length()
+        if needed >= min(windows):
+            raise ValueError(
+                f"This model has sliding-window layers (window {min(windows)}); with a batch of {batch} rows or a "
+                f"padded prompt, lookahead decoding needs prompt length ({prompt_length}) + batch size x "
+                f"max_new_tokens ({batch} x {new_tokens}) + the longest step ({self.max_step_length()}) to stay "
+                "below the window. Use a smaller batch, fewer `max_new_tokens`, or one unpadded prompt per call."
+            )
+
+    def _plan(self, sequence: SequenceState, layout: StepLayout) -> tuple[bool, TokenTree, RowStep]:
+        """Chooses what this sequence's part of the step verifies: whether its window runs, and its candidates."""
+        config, tokens = self.config, sequence.tokens
+        position = sequence.position
+        position_room = (self.max_positions - 1 - position) if self.max_positions else sequence.limit
+        depth = min(config.levels, sequence.limit - sequence.length - 1, position_room)
+        window_allowed = position_room >= config.levels + self.window_size - 1
+        tree = sequence.pool.tree(tokens[-1], depth)
+        if sequence.context is not None:
+            sequence.context.update(tokens)
+            room = min(AUTO_CONTEXT_DEPTH, sequence.limit - sequence.length - 1, position_room)
+            tree.add_path(sequence.context.continuation(tokens, room))
+        use_window, tree = sequence.policy.plan(tree, window_allowed, sequence.pending.shape[0])
+        room = self.committer.room()
+        if room is not None:
+            # A static cache has room for `room` more entries: the step must fit, the window first to go.
+            budget = room - sequence.pending.shape[0]
+            if use_window and len(sequence.window) + len(tree) > budget:
+                use_window = False
+            if len(tree) > budget:
+                tree = tree.subtree(list(range(budget)))
+        window_tokens = sequence.window.flat() if use_window else None
+        return use_window, tree, layout.row(sequence.pending, position, window_tokens, tree)
+
+    def _keep_running(
+        self, running: list[SequenceState], batch: list[SequenceState], slot_valid: torch.BoolTensor
+    ) -> torch.BoolTensor:
+        """Drops finished sequences from the cache, so the next steps compute only the running ones."""
+        keep = torch.tensor([batch.index(sequence) for sequence in running], device=slot_valid.device)
+        self.committer.cache.batch_select_indices(keep)
+        return slot_valid[keep]
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """Runs the step's forward pass; returns the logits of `step.logits_rows`, shape `(batch, rows, vocab)`."""
         kwargs = {self.cache_argument: self.committer.cache}
         if self.slices_logits:
             kwargs["logits_to_keep"] = step.logits_rows
@@ -258,28 +442,95 @@ class LookaheadDecoder:
             return_dict=True,
             **kwargs,
         )
-        logits = outputs.logits[0]
-        return logits if self.slices_logits else logits[step.logits_rows]
+        logits = outputs.logits
+        return logits if self.slices_logits else logits[:, step.logits_rows]
 
-    def _append(
-        self,
-        input_ids: torch.LongTensor,
-        tokens: list[int],
-        logits: list[torch.Tensor],
-        scores: list[torch.Tensor],
-    ) -> tuple[torch.LongTensor, int, bool]:
-        """Appends tokens one at a time, as plain decoding would, until a stopping criterion fires."""
-        for kept, (token, raw, processed) in enumerate(zip(tokens, logits, scores), start=1):
-            input_ids = torch.cat([input_ids, input_ids.new_tensor([[token]])], dim=-1)
-            if self.scores is not None:
-                self.scores += (processed,)
-            if self.raw_logits is not None:
-                self.raw_logits += (raw,)
-            if self.stopping_criteria(input_ids, self.scores).any():
-                return input_ids, kept, True
-        return input_ids, len(tokens), False
+    def _append(self, sequence: SequenceState, verdict: Verdict) -> int:
+        """Appends tokens one at a time, as plain decoding would, until the sequence stops; returns how many."""
+        kept = 0
+        for token, raw, processed in zip(verdict.tokens, verdict.logits, verdict.scores):
+            if sequence.length >= sequence.limit:
+                break
+            kept += 1
+            sequence.input_ids = torch.cat([sequence.input_ids, sequence.input_ids.new_tensor([[token]])], dim=-1)
+            if self.keep_scores:
+                sequence.scores.append(processed)
+            if self.keep_logits:
+                sequence.raw_logits.append(raw)
+            if sequence.stopped_at is None:
+                scores = tuple(sequence.scores) if self.keep_scores else None
+                if self.stopping_criteria(sequence.input_ids, scores).any():
+                    sequence.stopped_at = sequence.length
+                    if self.has_eos:
+                        break
+        return kept
+
+    def _settle(self, sequences: list[SequenceState]) -> None:
+        """
+        Marks finished sequences. With an EOS criterion a sequence ends where its criteria fired. Without one, plain
+        decoding runs every sequence to the length at which the last one's criteria fired: once that length is
+        known, sequences run to it and are cut there.
+        """
+        for sequence in sequences:
+            if sequence.stopped_at is not None and (self.has_eos or sequence.length >= sequence.limit):
+                sequence.done = True
+        if self.has_eos or any(sequence.stopped_at is None for sequence in sequences):
+            return
+        final_length = max(sequence.stopped_at for sequence in sequences)
+        for sequence in sequences:
+            sequence.limit = min(sequence.limit, final_length)
+            if sequence.length >= final_length:
+                sequence.input_ids = sequence.input_ids[:, :final_length]
+                sequence.done = True
+
+    def _output_ids(self, sequences: list[SequenceState]) -> torch.LongTensor:
+        if len(sequences) == 1:
+            return sequences[0].input_ids
+        length = max(sequence.length for sequence in sequences)
+        pad = self.generation_config._pad_token_tensor
+        pad_id = int(pad) if pad is not None else 0
+        rows = [
+            torch.nn.functional.pad(sequence.input_ids, (0, length - sequence.length), value=pad_id)
+            for sequence in sequences
+        ]
+        return torch.cat(rows, dim=0)
 
     @staticmethod
-    def _stream(streamer: BaseStreamer | None, input_ids: torch.LongTensor, kept: int) -> None:
-        if streamer is not None:
-            streamer.put(input_ids[0, -kept:].cpu())
+    def _per_token(sequences: list[SequenceState], name: str) -> tuple[torch.Tensor, ...]:
+        """One `(batch, vocab)` tensor per generated token; zeros where a sequence had already finished."""
+        per_sequence = [getattr(sequence, name) for sequence in sequences]
+        steps = max(len(values) for values in per_sequence)
+        template = next(values[0] for values in per_sequence if values)
+        return tuple(
+            torch.cat([values[t] if t < len(values) else torch.zeros_like(template) for values in per_sequence])
+            for t in range(steps)
+        )
+
+    @staticmethod
+    def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
+        if streamer is not None and kept:
+            streamer.put(sequence.input_ids[0, -kept:].cpu())
+
+
+def processors_for_row(logits_processor: LogitsProcessorList, row: int) -> LogitsProcessorList:
+    """
+    The processors as they apply to one row of the batch, called on that row alone. Processors that look at the
+    row's index in the batch get it bound; every other processor treats rows independently.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): the processors `generate` built for the whole batch.
+        row (`int`): the row.
+    """
+    adapted = LogitsProcessorList()
+    for processor in logits_processor:
+        if isinstance(processor, PrefixConstrainedLogitsProcessor):
+            processor = copy.copy(processor)
+            allowed = processor._prefix_allowed_tokens_fn
+            processor._prefix_allowed_tokens_fn = lambda _, ids, allowed=allowed: allowed(row, ids)
+        elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+            processor.prompt_ignore_length, torch.Tensor
+        ):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        adapted.append(processor)
+    return adapted

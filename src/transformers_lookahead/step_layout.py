@@ -10,26 +10,54 @@ from .ngram_pool import TokenTree
 
 
 @dataclass
+class RowStep:
+    """
+    One sequence's part of a step, before the rows of a batch are padded to one length.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(T_b,)`): pending tokens, then the window, then the tree.
+        positions (`torch.LongTensor` of shape `(T_b,)`).
+        visible (`torch.BoolTensor` of shape `(T_b, T_b)`): which of the step's tokens each token sees.
+        logits_rows (`torch.LongTensor`): the rows whose logits verification reads, in this order: the last pending
+            token, the window's top level (if the window is in the step), every tree node.
+        tree_row (`int`): the index in `logits_rows` of the first tree node.
+        window_used (`bool`): whether the window is part of this step.
+    """
+
+    input_ids: torch.LongTensor
+    positions: torch.LongTensor
+    visible: torch.BoolTensor | None
+    logits_rows: torch.LongTensor
+    tree_row: int
+    window_used: bool
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
 class StepInputs:
     """
     Everything the forward pass of one step needs, and where its outputs are.
 
     Args:
-        input_ids (`torch.LongTensor` of shape `(1, T)`): pending tokens, then the window, then the tree.
-        position_ids (`torch.LongTensor` of shape `(1, T)`).
+        input_ids (`torch.LongTensor` of shape `(batch, T)`): each row's `RowStep` tokens, padded to T.
+        position_ids (`torch.LongTensor` of shape `(batch, T)`).
         attention_mask (`torch.Tensor`, `dict[str, torch.Tensor]` or `None`): additive float masks of shape
-            `(1, 1, T, kv_length)`, one per attention layer type when the model mixes full and sliding layers;
-            `None` for a single-token step, which needs only the causal mask the model builds.
-        logits_rows (`torch.LongTensor`): the step rows whose logits are computed, in this order: the last pending
-            token, the window's top level (if the window is in the step), every tree node.
-        window_used (`bool`): whether the window is part of this step.
+            `(batch, 1, T, kv_length)`, one per attention layer type when the model mixes full and sliding layers;
+            `None` for a single-token step of one unpadded sequence, which needs only the causal mask the model
+            builds.
+        logits_rows (`torch.LongTensor`): the step rows whose logits the forward pass computes (for every sequence).
+        row_logits (`list[torch.LongTensor]`): per sequence, where its `RowStep.logits_rows` are among
+            `logits_rows`.
     """
 
     input_ids: torch.LongTensor
     position_ids: torch.LongTensor
-    attention_mask: torch.Tensor | dict[str, torch.Tensor]
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
     logits_rows: torch.LongTensor
-    window_used: bool
+    row_logits: list[torch.LongTensor]
 
     @property
     def length(self) -> int:
@@ -98,17 +126,15 @@ class StepLayout:
         self.top_rows = torch.arange((levels - 1) * window, levels * window, device=device)
         self._last_row = torch.tensor([0], device=device)
 
-    def build(
+    def row(
         self,
-        cache,
         pending: torch.LongTensor,
         position: int,
         window_tokens: torch.LongTensor | None,
         tree: TokenTree,
-    ) -> StepInputs:
+    ) -> RowStep:
         """
         Args:
-            cache (`Cache`): the model's cache, asked for each group's key/value length and offset.
             pending (`torch.LongTensor` of shape `(k,)`): accepted tokens that are not in the cache yet, k >= 1.
             position (`int`): the position of the last pending token.
             window_tokens (`torch.LongTensor` of shape `(levels * window,)` or `None`): the window's guesses
@@ -116,7 +142,7 @@ class StepLayout:
             tree (`TokenTree`): the candidates to verify (may be empty).
 
         Returns:
-            `StepInputs`.
+            `RowStep`.
         """
         device = self.device
         k = pending.shape[0]
@@ -124,6 +150,7 @@ class StepLayout:
         tree_length = len(tree)
         length = k + window_length + tree_length
         tree_start = k + window_length
+        tree_row = 1 + (self.window if window_tokens is not None else 0)
 
         parts_ids = [pending]
         parts_pos = [torch.arange(position - k + 1, position + 1, device=device)]
@@ -133,12 +160,10 @@ class StepLayout:
         if tree_length:
             parts_ids.append(torch.tensor(tree.tokens, device=device))
             parts_pos.append(torch.tensor(tree.depths, device=device) + position)
-        input_ids = torch.cat(parts_ids)
+        input_ids = torch.cat(parts_ids) if len(parts_ids) > 1 else pending
         positions = torch.cat(parts_pos)
         if length == 1:
-            # A lone token sees everything before it: the model builds that mask itself (for sliding layers too),
-            # exactly as in plain decoding, which is cheaper than a custom mask.
-            return StepInputs(input_ids[None], positions[None], None, self._last_row, False)
+            return RowStep(input_ids, positions, None, self._last_row, tree_row, False)
 
         visible = torch.zeros(length, length, dtype=torch.bool, device=device)
         visible[:, :k] = True
@@ -154,35 +179,84 @@ class StepLayout:
             visible[tree_start + torch.tensor(rows, device=device), tree_start + torch.tensor(cols, device=device)] = (
                 True
             )
+        logits_rows = [torch.tensor([k - 1], device=device)]
+        if window_tokens is not None:
+            logits_rows.append(self.top_rows + k)
+        logits_rows.append(torch.arange(tree_start, length, device=device))
+        return RowStep(input_ids, positions, visible, torch.cat(logits_rows), tree_row, window_tokens is not None)
+
+    def build(self, cache, rows: list[RowStep], slot_valid: torch.BoolTensor | None = None) -> StepInputs:
+        """
+        Pads the sequences' steps to one length and builds the masks over the cache and the step.
+
+        Args:
+            cache (`Cache`): the model's cache, asked for each group's key/value length and offset.
+            rows (`list[RowStep]`): one step per sequence of the batch, in batch order.
+            slot_valid (`torch.BoolTensor` of shape `(batch, cache_length)`, *optional*): which cache slots hold a
+                token of each sequence (left padding and the slots a sequence did not accept are False). `None`
+                when every slot is valid. Sliding layers are then assumed to still hold every slot (the decoder
+                checks that), so they take the full-attention mask.
+
+        Returns:
+            `StepInputs`.
+        """
+        device = self.device
+        length = max(row.length for row in rows)
+        if len(rows) == 1:
+            only = rows[0]
+            if length == 1 and slot_valid is None:
+                # A lone token sees everything before it: the model builds that mask itself (for sliding layers too),
+                # exactly as in plain decoding, which is cheaper than a custom mask.
+                return StepInputs(only.input_ids[None], only.positions[None], None, only.logits_rows, [None])
+            input_ids, positions = only.input_ids[None], only.positions[None]
+            visible = only.visible[None] if only.visible is not None else torch.ones(1, 1, 1, dtype=torch.bool)
+            logits_rows, row_logits = only.logits_rows, [None]
+        else:
+            batch = len(rows)
+            input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+            positions = torch.zeros(batch, length, dtype=torch.long, device=device)
+            # Padding tokens see only themselves: no sequence sees them, and their rows stay finite.
+            visible = torch.eye(length, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+            for b, row in enumerate(rows):
+                input_ids[b, : row.length] = row.input_ids
+                positions[b, : row.length] = row.positions
+                positions[b, row.length :] = row.positions[-1]
+                if row.visible is not None:
+                    visible[b, : row.length, : row.length] = row.visible
+            logits_rows = torch.unique(torch.cat([row.logits_rows for row in rows]))
+            row_logits = [torch.searchsorted(logits_rows, row.logits_rows) for row in rows]
 
         if isinstance(self.groups, AttentionGroup):
-            attention_mask = self._mask(cache, self.groups, visible, positions)
+            attention_mask = self._mask(cache, self.groups, visible, positions, slot_valid)
         else:
             attention_mask = {
-                name: self._mask(cache, group, visible, positions) for name, group in self.groups.items()
+                name: self._mask(cache, group, visible, positions, slot_valid) for name, group in self.groups.items()
             }
+        return StepInputs(input_ids, positions, attention_mask, logits_rows, row_logits)
 
-        rows = [torch.tensor([k - 1], device=device)]
-        if window_tokens is not None:
-            rows.append(self.top_rows + k)
-        rows.append(torch.arange(tree_start, length, device=device))
-        return StepInputs(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            attention_mask=attention_mask,
-            logits_rows=torch.cat(rows),
-            window_used=window_tokens is not None,
-        )
-
-    def _mask(self, cache, group: AttentionGroup, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        length = visible.shape[0]
+    def _mask(
+        self,
+        cache,
+        group: AttentionGroup,
+        visible: torch.Tensor,
+        positions: torch.Tensor,
+        slot_valid: torch.BoolTensor | None,
+    ) -> torch.Tensor:
+        batch, length = positions.shape
         kv_length, kv_offset = cache.get_mask_sizes(length, group.layer_idx)
-        past = kv_length - length
-        mask = torch.zeros(length, kv_length, dtype=self.dtype, device=self.device)
-        mask[:, past:].masked_fill_(~visible, self.min_value)
-        if group.sliding_window is not None:
-            # One sequence, no padding: a cached token's position is its index in the cache.
-            kv_positions = torch.cat([torch.arange(kv_offset, kv_offset + past, device=self.device), positions])
-            too_far = positions[:, None] - kv_positions[None, :] >= group.sliding_window
-            mask.masked_fill_(too_far, self.min_value)
-        return mask[None, None]
+        # Dynamic layers return the cache followed by the step; static layers return their whole buffer, the step
+        # written right after the cached tokens and stale entries after it.
+        past = min(kv_length - length, cache.get_seq_length(group.layer_idx))
+        mask = torch.zeros(batch, length, kv_length, dtype=self.dtype, device=self.device)
+        mask[:, :, past : past + length].masked_fill_(~visible, self.min_value)
+        mask[:, :, past + length :] = self.min_value
+        if slot_valid is not None:
+            if past:
+                mask[:, :, :past].masked_fill_(~slot_valid[:, None, -past:], self.min_value)
+        elif group.sliding_window is not None:
+            # One unpadded sequence: a cached token's position is its index in the cache.
+            cached = torch.arange(kv_offset, kv_offset + past, device=self.device).expand(batch, -1)
+            kv_positions = torch.cat([cached, positions], dim=1)
+            too_far = positions[:, :, None] - kv_positions[:, None, :] >= group.sliding_window
+            mask[:, :, : past + length].masked_fill_(too_far, self.min_value)
+        return mask[:, None]

@@ -1,0 +1,243 @@
+"""Batches: left padding, rows that accept and finish at different steps, `num_return_sequences`."""
+
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList, TextStreamer
+
+from transformers_lookahead import enable_lookahead
+from transformers_lookahead.distribution_check import homogeneity_p_value, token_counts
+
+from .test_verification import P_VALUE
+from .utils import random_prompt, tiny_model
+
+SHAPES = [(4, 3, 4), (7, 5, 7), ("auto", 5, None)]
+
+
+def left_padded(prompts: list[torch.LongTensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """What a tokenizer with `padding_side="left"` returns for these prompts."""
+    length = max(prompt.shape[-1] for prompt in prompts)
+    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, length - prompt.shape[-1] :] = prompt.flatten()
+        attention_mask[row, length - prompt.shape[-1] :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def mixed_prompts(count: int = 3) -> list[torch.LongTensor]:
+    return [random_prompt(length, seed=seed) for seed, length in zip(range(count), (21, 9, 30, 4, 15, 26, 12, 18))]
+
+
+class BatchedExactnessTest(unittest.TestCase):
+    @parameterized.expand([("llama",), ("gpt2",), ("qwen3",), ("opt",), ("mistral",), ("gpt_neox",)])
+    def test_identical_to_batched_greedy_and_to_each_row_alone(self, name):
+        model = enable_lookahead(tiny_model(name))
+        prompts = mixed_prompts(3)
+        inputs = left_padded(prompts)
+        expected = model.generate(**inputs, max_new_tokens=30, do_sample=False)
+        for window, ngram, guess in SHAPES:
+            with self.subTest(window=window, ngram=ngram, guess=guess):
+                out = model.generate(
+                    **inputs,
+                    max_new_tokens=30,
+                    do_sample=False,
+                    lookahead_window=window,
+                    lookahead_ngram=ngram,
+                    lookahead_guess=guess,
+                    return_dict_in_generate=True,
+                )
+                self.assertTrue(torch.equal(out.sequences, expected))
+                self.assertEqual(len(out.accepted_per_step), 3)
+                for row, prompt in enumerate(prompts):
+                    alone = model.generate(prompt, max_new_tokens=30, do_sample=False)
+                    self.assertTrue(torch.equal(out.sequences[row, -30:], alone[0, -30:]))
+                    self.assertEqual(sum(out.accepted_per_step[row]) + 1, 30)
+                # Rows accepted different numbers of tokens in some step, so unused cache slots were masked.
+                steps = min(len(accepted) for accepted in out.accepted_per_step)
+                self.assertTrue(any(len({acc[s] for acc in out.accepted_per_step}) > 1 for s in range(steps)))
+
+    @parameterized.expand([("gather",), ("refeed",)])
+    def test_cache_commit_strategies(self, strategy):
+        model = enable_lookahead(tiny_model("llama", "eager"))
+        inputs = left_padded(mixed_prompts(4))
+        expected = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+        out = model.generate(
+            **inputs, max_new_tokens=40, do_sample=False, lookahead_window=4, lookahead_cache_commit=strategy
+        )
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_one_padded_row(self):
+        model = enable_lookahead(tiny_model("llama"))
+        inputs = left_padded([random_prompt(12, seed=3)])
+        inputs["input_ids"] = torch.cat([torch.zeros(1, 5, dtype=torch.long), inputs["input_ids"]], dim=1)
+        inputs["attention_mask"] = torch.cat([torch.zeros(1, 5, dtype=torch.long), inputs["attention_mask"]], dim=1)
+        expected = model.generate(**inputs, max_new_tokens=30, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=30, do_sample=False, lookahead_window=4)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_rows_finishing_at_different_steps(self):
+        model = enable_lookahead(tiny_model("qwen2"))
+        prompts = mixed_prompts(4)
+        inputs = left_padded(prompts)
+        free = model.generate(**inputs, max_new_tokens=40, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        # EOS ids that end row 0 early and row 2 a little later; the other rows run to max_new_tokens.
+        eos = [int(free[0, 6]), int(free[2, 17])]
+        expected = model.generate(**inputs, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+        self.assertLess((expected[:, -40:] == 0).sum(dim=1)[0], 40, "row 0 must stop early")
+        forward_batches = []
+        hook = model.register_forward_pre_hook(
+            lambda module, args, kwargs: forward_batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        )
+        try:
+            out = model.generate(**inputs, max_new_tokens=40, do_sample=False, eos_token_id=eos, lookahead_window=4)
+        finally:
+            hook.remove()
+        self.assertTrue(torch.equal(out, expected))
+        self.assertLess(forward_batches[-1], 4, "finished rows must leave the batch")
+
+    def test_stopping_criteria_without_eos(self):
+        """Without an EOS criterion plain decoding keeps every row going until all rows' criteria have fired."""
+
+        class StopAfter(StoppingCriteria):
+            def __init__(self, token):
+                self.token = token
+
+            def __call__(self, input_ids, scores, **kwargs):
+                return (input_ids[:, -1] == self.token).flatten()
+
+        model = enable_lookahead(tiny_model("llama"))
+        inputs = left_padded(mixed_prompts(3))
+        free = model.generate(**inputs, max_new_tokens=40, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        criteria = StoppingCriteriaList([StopAfter(int(free[1, 8]))])
+        expected = model.generate(**inputs, max_new_tokens=40, do_sample=False, stopping_criteria=criteria)
+        out = model.generate(
+            **inputs, max_new_tokens=40, do_sample=False, stopping_criteria=criteria, lookahead_window=4
+        )
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_processors_per_row(self):
+        model = enable_lookahead(tiny_model("llama"))
+        inputs = left_padded(mixed_prompts(3))
+
+        def allowed(batch_id, ids):
+            # Row-dependent constraint: the batch index must reach the processor intact.
+            return list(range(2 + batch_id * 20, 2 + batch_id * 20 + 40))
+
+        settings = {
+            "repetition_penalty": 1.3,
+            "no_repeat_ngram_size": 3,
+            "min_new_tokens": 5,
+            "sequence_bias": {(7,): 2.0},
+            "prefix_allowed_tokens_fn": allowed,
+        }
+        expected = model.generate(**inputs, max_new_tokens=30, do_sample=False, **settings)
+        out = model.generate(**inputs, max_new_tokens=30, do_sample=False, lookahead_window=4, **settings)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_scores_and_logits(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompts = mixed_prompts(3)
+        inputs = left_padded(prompts)
+        free = model.generate(**inputs, max_new_tokens=20, do_sample=False)[:, inputs["input_ids"].shape[1] :]
+        common = {
+            "max_new_tokens": 20,
+            "do_sample": False,
+            "eos_token_id": int(free[1, 5]),
+            "return_dict_in_generate": True,
+            "output_scores": True,
+            "output_logits": True,
+        }
+        expected = model.generate(**inputs, **common)
+        out = model.generate(**inputs, lookahead_window=4, **common)
+        self.assertTrue(torch.equal(out.sequences, expected.sequences))
+        self.assertEqual(len(out.scores), len(expected.scores))
+        generated = expected.sequences[:, inputs["input_ids"].shape[1] :]
+        for row in range(3):
+            # Up to and including the row's EOS; plain decoding computes the padding's scores too.
+            ends = (generated[row] == common["eos_token_id"]).nonzero()
+            length = int(ends[0]) + 1 if len(ends) else 20
+            for t in range(length):
+                torch.testing.assert_close(out.scores[t][row], expected.scores[t][row], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(out.logits[t][row], expected.logits[t][row], rtol=1e-4, atol=1e-4)
+
+    def test_streamer_with_a_batch_is_refused(self):
+        model = enable_lookahead(tiny_model("llama"))
+
+        class Tokenizer:
+            def decode(self, *args, **kwargs):
+                return ""
+
+        with self.assertRaisesRegex(ValueError, "Streaming supports one sequence"):
+            model.generate(
+                **left_padded(mixed_prompts(2)),
+                max_new_tokens=5,
+                lookahead_window=4,
+                streamer=TextStreamer(Tokenizer()),
+            )
+
+    def test_sliding_layers_within_the_window(self):
+        model = enable_lookahead(tiny_model("qwen2_hybrid"))
+        model.config.sliding_window = 512
+        model.config.layer_types = ["sliding_attention"] + ["full_attention"] * 2
+        inputs = left_padded(mixed_prompts(3))
+        expected = model.generate(**inputs, max_new_tokens=30, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=30, do_sample=False, lookahead_window=4)
+        self.assertTrue(torch.equal(out, expected))
+
+    def test_sliding_layers_beyond_the_window_are_refused(self):
+        model = enable_lookahead(tiny_model("mistral_window8"))
+        with self.assertRaisesRegex(ValueError, "sliding-window layers \\(window 8\\)"):
+            model.generate(**left_padded(mixed_prompts(2)), max_new_tokens=20, lookahead_window=4)
+
+
+class BatchedSamplingTest(unittest.TestCase):
+    """Each row of a sampled batch, `num_return_sequences` included, keeps plain sampling's distribution."""
+
+    def test_first_tokens_per_row(self):
+        vocab = 12
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            initializer_range=0.3,
+            pad_token_id=0,
+            eos_token_id=None,
+            bos_token_id=None,
+        )
+        torch.manual_seed(0)
+        model = enable_lookahead(LlamaForCausalLM(config).eval())
+        prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]), torch.tensor([[6, 7, 6, 7, 6]])]
+        inputs = left_padded(prompts)
+        runs, new_tokens, copies = 700, 4, 2
+        samples = {}
+        multi_token = 0
+        for label, extra in (("plain", {}), ("lookahead", {"lookahead_window": 2, "lookahead_ngram": 3})):
+            drawn = []
+            for _ in range(runs):
+                out = model.generate(
+                    **inputs,
+                    do_sample=True,
+                    temperature=0.8,
+                    max_new_tokens=new_tokens,
+                    num_return_sequences=copies,
+                    return_dict_in_generate=True,
+                    **extra,
+                )
+                drawn.append(out.sequences[:, -new_tokens:])
+                if extra:
+                    multi_token += any(kept > 1 for row in out.accepted_per_step for kept in row)
+            samples[label] = torch.stack(drawn)  # (runs, prompts x copies, new_tokens)
+        self.assertGreater(multi_token, runs // 20, "the test must exercise multi-token acceptance")
+        # `num_return_sequences` repeats each prompt: rows 0-1 sample prompt 0, rows 2-3 prompt 1.
+        for prompt in range(2):
+            rows = slice(prompt * copies, (prompt + 1) * copies)
+            plain = token_counts(samples["plain"][:, rows].reshape(-1, new_tokens), vocab)
+            lookahead = token_counts(samples["lookahead"][:, rows].reshape(-1, new_tokens), vocab)
+            for position in range(new_tokens):
+                with self.subTest(prompt=prompt, position=position):
+                    self.assertGreater(homogeneity_p_value(plain[position], lookahead[position]), P_VALUE)
