@@ -27,6 +27,13 @@ class StepCostModelTest(unittest.TestCase):
         self.assertAlmostEqual(STEEP(36), 5.0)
         self.assertAlmostEqual(STEEP(72), 8.0 + 8 * 6 / 56)
 
+    def test_batch_cost_is_the_cost_of_all_rows_tokens(self):
+        batch = STEEP.for_batch(4)
+        self.assertEqual(batch(1), 1.0)
+        self.assertAlmostEqual(batch(2), STEEP(8) / STEEP(4))
+        self.assertAlmostEqual(batch(9), STEEP(36) / STEEP(4))
+        self.assertIs(STEEP.for_batch(1), STEEP)
+
     def test_measure_and_cache(self):
         model = tiny_model("llama")
         costs = measure_step_costs(model, grid=(1, 2, 4))
@@ -75,6 +82,20 @@ class StepPolicyTest(unittest.TestCase):
         self.assertGreater(policy.match_rate[1], 0.9)
         _, planned = policy.plan(tree, False, 1)
         self.assertIn(1, planned.tokens)
+
+    def test_a_batch_budget_is_filled_by_likeliest_nodes(self):
+        policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
+        tree = _tree()
+        options = policy.step_options(tree, True, 1)
+        self.assertIn((1, 1.0), options)
+        self.assertEqual(max(length for length, _ in options), 1 + 8 + len(tree))
+        # Alone, a steep cost verifies little; a batch that pays for 4 tokens per row verifies 3 nodes.
+        use_window, planned = policy.plan(tree, True, 1, budget=4)
+        self.assertFalse(use_window)
+        self.assertEqual(len(planned), 3)
+        probability = policy.node_probabilities(tree)
+        kept = sorted(range(len(tree)), key=lambda node: -probability[node])[:3]
+        self.assertEqual(sorted(planned.tokens), sorted(tree.tokens[node] for node in kept))
 
     def test_node_probabilities_follow_pool_shares(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)

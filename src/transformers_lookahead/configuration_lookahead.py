@@ -184,7 +184,9 @@ def validate_lookahead_setup(
     if model.config.is_encoder_decoder:
         raise ValueError(
             f"Lookahead decoding supports decoder-only models; {type(model).__name__} is an encoder-decoder model. "
-            "Remove the `lookahead_*` settings to use the usual decoding."
+            "A lookahead step places its guesses at chosen positions, and encoder-decoder decoders (BART, T5, ...) "
+            "derive positions from the cache length instead of taking position ids. Remove the `lookahead_*` "
+            "settings to use the usual decoding."
         )
     attn = model.config._attn_implementation
     if attn not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:

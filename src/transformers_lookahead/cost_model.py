@@ -62,6 +62,17 @@ class StepCostModel:
         slope = (costs[-1] - costs[-2]) / (lengths[-1] - lengths[-2])
         return costs[-1] + slope * (length - lengths[-1])
 
+    def for_batch(self, batch_size: int) -> StepCostModel:
+        """
+        The cost of a step of T tokens per row for a batch of `batch_size` rows, relative to a one-token step of that
+        batch: a batch step feeds `batch_size x T` tokens, so on a CPU each extra token per row costs more the larger
+        the batch.
+        """
+        if batch_size == 1:
+            return self
+        base = self(batch_size)
+        return StepCostModel({length: self(batch_size * length) / base for length in self.lengths})
+
     @classmethod
     def for_model(cls, model: PreTrainedModel, cache_dir: str | os.PathLike | None = None) -> StepCostModel:
         """

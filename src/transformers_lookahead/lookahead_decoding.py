@@ -15,6 +15,7 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
     StoppingCriteriaList,
 )
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_commit import CacheCommitter, attention_groups, layer_types
@@ -120,9 +121,10 @@ def generate(
         )
     cache = model_kwargs.get("cache")
     committer = CacheCommitter(cache, config.cache_commit)
-    return LookaheadDecoder(model, config, logits_processor, stopping_criteria, generation_config, committer).run(
-        input_ids, model_kwargs, lookahead_streamer
+    decoder = LookaheadDecoder(
+        model, config, logits_processor, stopping_criteria, generation_config, committer, input_ids.shape[0]
     )
+    return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
 
 class SequenceState:
@@ -181,6 +183,7 @@ class LookaheadDecoder:
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
         committer (`CacheCommitter`): keeps the accepted tokens in the cache.
+        batch_size (`int`): rows of the batch (after `num_return_sequences`).
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class LookaheadDecoder:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         committer: CacheCommitter,
+        batch_size: int = 1,
     ):
         self.model = model
         self.config = config
@@ -198,9 +202,10 @@ class LookaheadDecoder:
         self.stopping_criteria = stopping_criteria
         self.generation_config = generation_config
         self.committer = committer
+        self.batch_size = batch_size
         if config.adaptive:
             self.cost = StepCostModel.for_model(model)
-            self.window_size = choose_window(self.cost, config.levels, AUTO_MAX_WINDOW)
+            self.window_size = choose_window(self.cost.for_batch(batch_size), config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
         forward_parameters = inspect.signature(model.forward).parameters
@@ -232,7 +237,10 @@ class LookaheadDecoder:
         sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
         if config.adaptive:
             sequence.policy = AdaptiveStepPolicy(
-                self.cost, self.window_size * config.levels, config.levels, context_depth=AUTO_CONTEXT_DEPTH
+                self.cost.for_batch(self.batch_size),
+                self.window_size * config.levels,
+                config.levels,
+                context_depth=AUTO_CONTEXT_DEPTH,
             )
             # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
             sequence.context = ContextIndex() if config.pool_from_prompt else None
@@ -263,23 +271,7 @@ class LookaheadDecoder:
         else:
             first_tokens = first_scores.argmax(-1).tolist()
 
-        # Padding or a batch: the cache slots of each sequence are tracked and masked (see the class docstring).
-        batched = input_ids.shape[0] > 1 or attention_mask is not None
-        if batched:
-            self._check_sliding_room(input_ids)
-            if self.committer.is_static and input_ids.shape[0] > 1:
-                raise ValueError(
-                    "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
-                    f"static cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows with "
-                    "a static cache. Use the default dynamic cache for batches, or one row per call."
-                )
-        slot_valid = None
-        if batched:
-            slot_valid = (
-                attention_mask.bool()
-                if attention_mask is not None
-                else torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-            )
+        slot_valid = self._initial_slots(input_ids, attention_mask)
         sequences = []
         for index in range(input_ids.shape[0]):
             row = input_ids[index : index + 1]
@@ -306,41 +298,16 @@ class LookaheadDecoder:
         if active and len(active) < len(sequences):
             slot_valid = self._keep_running(active, sequences, slot_valid)
         while active:
-            plans = [self._plan(sequence, layout) for sequence in active]
+            plans = self._plan(active, layout)
             step = layout.build(cache, [plan[2] for plan in plans], slot_valid)
 
             started = time.perf_counter()
             logits = self._forward(step)
             forward_passes += 1
             kept_rows = []
-            for b, (sequence, (use_window, tree, row_step)) in enumerate(zip(active, plans)):
+            for b, (sequence, plan) in enumerate(zip(active, plans)):
                 row_logits = logits[b] if step.row_logits[b] is None else logits[b, step.row_logits[b]]
-                verdict = sequence.verifier.verify(
-                    row_logits, tree, row_step.tree_row, sequence.input_ids, sequence.limit - sequence.length
-                )
-                kept = self._append(sequence, verdict)
-                sequence.accepted.append(kept)
-                self._stream(streamer, sequence, kept)
-
-                pending_length = sequence.pending.shape[0]
-                node_start = pending_length + (len(sequence.window) if use_window else 0)
-                rows = list(range(pending_length))
-                if config.cache_commit == "gather":
-                    rows += [node_start + node for node in verdict.nodes[: kept - 1]]
-                kept_rows.append(rows)
-                sequence.pending = (
-                    sequence.input_ids[0, -kept:] if config.cache_commit == "refeed" else sequence.input_ids[0, -1:]
-                )
-
-                last = sequence.tokens[-1]
-                sequence.policy.observe(tree, verdict, use_window, sequence.pool, last)
-                if use_window:
-                    top_level = row_logits[1 : row_step.tree_row].argmax(-1)
-                    for ngram in sequence.window.update(top_level):
-                        sequence.pool.add(ngram[0], ngram[1:], from_window=True)
-                sequence.tokens.extend(verdict.tokens[:kept])
-                if config.pool_from_prompt:
-                    sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
+                kept_rows.append(self._advance(sequence, *plan, row_logits, streamer))
             # `verify` reads the choices on the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
             for sequence in active:
@@ -355,6 +322,11 @@ class LookaheadDecoder:
             still_running = [sequence for sequence in active if not sequence.done]
             if len(still_running) < len(active) and still_running:
                 slot_valid = self._keep_running(still_running, active, slot_valid)
+                if config.adaptive:
+                    # A smaller batch makes each extra token per row cheaper again.
+                    cost = self.cost.for_batch(len(still_running))
+                    for sequence in still_running:
+                        sequence.policy.cost = cost
             active = still_running
 
         if streamer is not None:
@@ -367,7 +339,7 @@ class LookaheadDecoder:
             scores=self._per_token(sequences, "scores") if self.keep_scores else None,
             logits=self._per_token(sequences, "raw_logits") if self.keep_logits else None,
             # With several sequences the cache holds unused slots and only the rows still running at the end.
-            cache=cache if len(sequences) == 1 and not batched else None,
+            cache=cache if slot_valid is None else None,
             num_forward_passes=forward_passes,
             accepted_per_step=(
                 tuple(sequences[0].accepted)
@@ -376,13 +348,79 @@ class LookaheadDecoder:
             ),
         )
 
+    def _advance(
+        self,
+        sequence: SequenceState,
+        use_window: bool,
+        tree: TokenTree,
+        row_step: RowStep,
+        logits: torch.Tensor,
+        streamer: BaseStreamer | None,
+    ) -> list[int]:
+        """
+        Verifies one sequence's part of the step, appends what it accepted and updates its window, pool and policy.
+
+        Returns:
+            `list[int]`: the sequence's step rows whose cache entries to keep.
+        """
+        config = self.config
+        verdict = sequence.verifier.verify(
+            logits, tree, row_step.tree_row, sequence.input_ids, sequence.limit - sequence.length
+        )
+        kept = self._append(sequence, verdict)
+        sequence.accepted.append(kept)
+        self._stream(streamer, sequence, kept)
+
+        pending_length = sequence.pending.shape[0]
+        rows = list(range(pending_length))
+        if config.cache_commit == "gather":
+            node_start = pending_length + (len(sequence.window) if use_window else 0)
+            rows += [node_start + node for node in verdict.nodes[: kept - 1]]
+            sequence.pending = sequence.input_ids[0, -1:]
+        else:
+            sequence.pending = sequence.input_ids[0, -kept:]
+
+        sequence.policy.observe(tree, verdict, use_window, sequence.pool, sequence.tokens[-1])
+        if use_window:
+            for ngram in sequence.window.update(logits[1 : row_step.tree_row].argmax(-1)):
+                sequence.pool.add(ngram[0], ngram[1:], from_window=True)
+        sequence.tokens.extend(verdict.tokens[:kept])
+        if config.pool_from_prompt:
+            sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
+        return rows
+
+    def _initial_slots(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
+    ) -> torch.BoolTensor | None:
+        """
+        Which cache slots hold a token of each row after the prefill, or `None` for one unpadded row, whose slots are
+        all its own and need no tracking.
+        """
+        if input_ids.shape[0] == 1 and attention_mask is None:
+            return None
+        self._check_sliding_room(input_ids)
+        if self.committer.is_static and input_ids.shape[0] > 1:
+            raise ValueError(
+                "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
+                f"static cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows with "
+                "a static cache. Use the default dynamic cache for batches, or one row per call."
+            )
+        if attention_mask is None:
+            return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        return attention_mask.bool()
+
     def _check_sliding_room(self, input_ids: torch.LongTensor) -> None:
         """
         With padding or a batch, cache slots are not positions: a sliding layer that drops its oldest slots could
         drop a token some sequence still needs. Such a layer is exact while it drops nothing, i.e. while the cache
         stays shorter than its window; refuse calls that could outgrow it.
         """
-        windows = [layer.sliding_window for layer in self.committer.cache.layers if layer.is_sliding]
+        # Static sliding layers are only accepted while they cannot outgrow their window (see `CacheCommitter`).
+        windows = [
+            layer.sliding_window
+            for layer in self.committer.cache.layers
+            if isinstance(layer, DynamicSlidingWindowLayer)
+        ]
         if not windows:
             return
         batch, prompt_length = input_ids.shape
@@ -397,8 +435,33 @@ class LookaheadDecoder:
                 "below the window. Use a smaller batch, fewer `max_new_tokens`, or one unpadded prompt per call."
             )
 
-    def _plan(self, sequence: SequenceState, layout: StepLayout) -> tuple[bool, TokenTree, RowStep]:
-        """Chooses what this sequence's part of the step verifies: whether its window runs, and its candidates."""
+    def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[tuple[bool, TokenTree, RowStep]]:
+        """
+        Chooses each sequence's part of the step: whether its window runs, and its candidates. The forward pass costs
+        what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
+        the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
+        """
+        candidates = [self._candidates(sequence) for sequence in active]
+        budget = None
+        if self.config.adaptive and len(active) > 1:
+            budget = self._batch_length(active, candidates)
+        plans = []
+        for sequence, (tree, window_allowed) in zip(active, candidates):
+            pending = sequence.pending.shape[0]
+            use_window, tree = sequence.policy.plan(tree, window_allowed, pending, budget)
+            room = self.committer.room()
+            if room is not None:
+                # A static cache has room for `room` more entries: the step must fit, the window first to go.
+                if use_window and pending + len(sequence.window) + len(tree) > room:
+                    use_window = False
+                if pending + len(tree) > room:
+                    tree = tree.subtree(list(range(room - pending)))
+            window_tokens = sequence.window.flat() if use_window else None
+            plans.append((use_window, tree, layout.row(sequence.pending, sequence.position, window_tokens, tree)))
+        return plans
+
+    def _candidates(self, sequence: SequenceState) -> tuple[TokenTree, bool]:
+        """The sequence's candidate tree for this step, and whether its window fits in the model's positions."""
         config, tokens = self.config, sequence.tokens
         position = sequence.position
         position_room = (self.max_positions - 1 - position) if self.max_positions else sequence.limit
@@ -409,17 +472,29 @@ class LookaheadDecoder:
             sequence.context.update(tokens)
             room = min(AUTO_CONTEXT_DEPTH, sequence.limit - sequence.length - 1, position_room)
             tree.add_path(sequence.context.continuation(tokens, room))
-        use_window, tree = sequence.policy.plan(tree, window_allowed, sequence.pending.shape[0])
-        room = self.committer.room()
-        if room is not None:
-            # A static cache has room for `room` more entries: the step must fit, the window first to go.
-            budget = room - sequence.pending.shape[0]
-            if use_window and len(sequence.window) + len(tree) > budget:
-                use_window = False
-            if len(tree) > budget:
-                tree = tree.subtree(list(range(budget)))
-        window_tokens = sequence.window.flat() if use_window else None
-        return use_window, tree, layout.row(sequence.pending, position, window_tokens, tree)
+        return tree, window_allowed
+
+    @staticmethod
+    def _batch_length(active: list[SequenceState], candidates: list[tuple[TokenTree, bool]]) -> int:
+        """The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost."""
+        per_row = [
+            sequence.policy.step_options(tree, window_allowed, sequence.pending.shape[0])
+            for sequence, (tree, window_allowed) in zip(active, candidates)
+        ]
+        longest = max(length for options in per_row for length, _ in options)
+        total = [0.0] * (longest + 1)
+        for options in per_row:
+            # Best expected tokens of this row within each length: a running maximum over lengths.
+            best = [0.0] * (longest + 1)
+            for length, expected in options:
+                best[length] = max(best[length], expected)
+            running = 0.0
+            for length in range(longest + 1):
+                running = max(running, best[length])
+                total[length] += running
+        cost = active[0].policy.step_cost
+        lengths = sorted({length for options in per_row for length, _ in options})
+        return max(lengths, key=lambda length: total[length] / cost(length))
 
     def _keep_running(
         self, running: list[SequenceState], batch: list[SequenceState], slot_valid: torch.BoolTensor

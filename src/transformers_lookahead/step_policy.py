@@ -26,12 +26,16 @@ def choose_window(cost: StepCostModel, levels: int, max_window: int, budget: flo
 class StaticStepPolicy:
     """Every step holds the whole window and every candidate, as in the paper: the step shape is fixed."""
 
-    def plan(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> tuple[bool, TokenTree]:
+    def plan(
+        self, tree: TokenTree, window_allowed: bool, pending_length: int, budget: int | None = None
+    ) -> tuple[bool, TokenTree]:
         """
         Args:
             tree (`TokenTree`): every candidate the pool holds for the last accepted token.
             window_allowed (`bool`): whether the window fits in the model's positions.
             pending_length (`int`): tokens the step must feed anyway.
+            budget (`int`, *optional*): the step length the batch settled on; the plan may use up to that many
+                tokens (a fixed-shape policy ignores it).
 
         Returns:
             `tuple[bool, TokenTree]`: whether to run the window, and the candidates to verify.
@@ -76,7 +80,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     parent), so one pass over the prefixes, with and without the window, finds the best step.
 
     Args:
-        cost (`StepCostModel`): forward cost against step length on this device.
+        cost (`StepCostModel`): forward cost against step length (per row) on this device and batch size; the
+            decoder swaps in a new one when finished rows leave the batch.
         window_length (`int`): tokens the window adds to a step (W x (N - 1)).
         levels (`int`): N - 1, the deepest candidate.
         decay (`float`): weight kept by the running estimates at each step.
@@ -105,6 +110,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         self._offered_tree = TokenTree()
         self._single_token_seconds: float | None = None
         self._excess_scale = 1.0
+        self._order: list[int] = []
+        self._options_of: tuple[TokenTree, list] | None = None
 
     def step_cost(self, length: int) -> float:
         """The expected cost of a step of `length` tokens, in one-token steps."""
@@ -142,26 +149,48 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     def window_gain(self) -> float:
         return self._window_credit / max(self._window_steps, 1.0)
 
-    def plan(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> tuple[bool, TokenTree]:
+    def step_options(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> list[tuple[int, float]]:
+        """
+        Every step this policy could take with `tree`: `(length, expected accepted tokens)` pairs, for choosing one
+        step length for a whole batch (see `LookaheadDecoder`). Arguments as for `plan`.
+        """
+        return [(length, expected) for length, expected, _, _ in self._options(tree, window_allowed, pending_length)]
+
+    def _options(
+        self, tree: TokenTree, window_allowed: bool, pending_length: int
+    ) -> list[tuple[int, float, bool, int]]:
+        """(length, expected tokens, window used, nodes verified) of every step, the nodes taken by probability."""
+        if self._options_of is not None and self._options_of[0] is tree:
+            return self._options_of[1]
         self._offered_tree = tree
         probability = self.node_probabilities(tree)
-        order = sorted(range(len(tree)), key=lambda node: -probability[node])
-        options = [False, True] if window_allowed else [False]
-        best = (0.0, False, 0)
-        for use_window in options:
-            gain = 1.0 + (self.window_gain if use_window else 0.0)
+        self._order = sorted(range(len(tree)), key=lambda node: -probability[node])
+        options = []
+        for use_window in [False, True] if window_allowed else [False]:
+            expected = 1.0 + (self.window_gain if use_window else 0.0)
             base = pending_length + (self.window_length if use_window else 0)
-            expected = gain
-            for count in range(len(order) + 1):
+            for count in range(len(self._order) + 1):
                 if count:
-                    expected += probability[order[count - 1]]
-                rate = expected / self.step_cost(base + count)
-                if rate > best[0]:
-                    best = (rate, use_window, count)
-        _, use_window, count = best
-        if window_allowed and not use_window and self._steps_without_window >= self.probe_every:
+                    expected += probability[self._order[count - 1]]
+                options.append((base + count, expected, use_window, count))
+        self._options_of = (tree, options)
+        return options
+
+    def plan(
+        self, tree: TokenTree, window_allowed: bool, pending_length: int, budget: int | None = None
+    ) -> tuple[bool, TokenTree]:
+        options = self._options(tree, window_allowed, pending_length)
+        self._options_of = None
+        if budget is None:
+            _, _, use_window, count = max(options, key=lambda option: option[1] / self.step_cost(option[0]))
+        else:
+            # The batch pays for `budget` tokens per row anyway: verify as much as fits.
+            fitting = [option for option in options if option[0] <= budget] or options[:1]
+            _, _, use_window, count = max(fitting, key=lambda option: option[1])
+        probe_fits = budget is None or pending_length + self.window_length <= budget
+        if window_allowed and not use_window and self._steps_without_window >= self.probe_every and probe_fits:
             use_window = True
-        return use_window, tree.subtree(order[:count])
+        return use_window, tree.subtree(self._order[:count])
 
     def node_probabilities(self, tree: TokenTree) -> list[float]:
         """The estimated probability that each node of `tree` is accepted."""
