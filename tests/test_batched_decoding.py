@@ -4,13 +4,13 @@ import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList, TextStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from transformers_lookahead import enable_lookahead
 from transformers_lookahead.distribution_check import homogeneity_p_value, token_counts
 
 from .test_verification import P_VALUE
-from .utils import random_prompt, tiny_model
+from .utils import SMALL_VOCABULARY, random_prompt, small_vocabulary_model, tiny_model
 
 SHAPES = [(4, 3, 4), (7, 5, 7), ("auto", 5, None)]
 
@@ -196,21 +196,8 @@ class BatchedSamplingTest(unittest.TestCase):
     """Each row of a sampled batch, `num_return_sequences` included, keeps plain sampling's distribution."""
 
     def test_first_tokens_per_row(self):
-        vocab = 12
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            initializer_range=0.3,
-            pad_token_id=0,
-            eos_token_id=None,
-            bos_token_id=None,
-        )
-        torch.manual_seed(0)
-        model = enable_lookahead(LlamaForCausalLM(config).eval())
+        vocab = SMALL_VOCABULARY
+        model = enable_lookahead(small_vocabulary_model())
         prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]), torch.tensor([[6, 7, 6, 7, 6]])]
         inputs = left_padded(prompts)
         runs, new_tokens, copies = 700, 4, 2

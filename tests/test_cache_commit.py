@@ -121,3 +121,32 @@ class StaticCacheTest(unittest.TestCase):
         prompts = torch.cat([random_prompt(10, seed=1), random_prompt(10, seed=2)])
         with self.assertRaisesRegex(ValueError, "static cache sized for plain decoding"):
             model.generate(prompts, max_new_tokens=10, lookahead_window=4, cache_implementation="static")
+
+
+class CompiledStepTest(unittest.TestCase):
+    """With a static cache and a compile config, steps have two shapes only, so the forward compiles at most twice."""
+
+    @parameterized.expand([(4,), ("auto",)])
+    def test_compiles_once_per_shape_and_stays_exact(self, window):
+        import torch._dynamo
+        from transformers import CompileConfig
+
+        from transformers_lookahead import enable_lookahead
+
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(20, seed=6)
+        common = {"max_new_tokens": 40, "do_sample": False, "cache_implementation": "static"}
+        expected = model.generate(prompt, **common)
+        # The eager backend traces and guards like inductor without generating code: fast enough for a unit test.
+        compile_config = CompileConfig(backend="eager", mode="default")
+        compile_config._compile_all_devices = True  # what lets plain `generate` compile on a CPU too
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        out = model.generate(
+            prompt, compile_config=compile_config, lookahead_window=window, return_dict_in_generate=True, **common
+        )
+        self.assertTrue(torch.equal(out.sequences, expected))
+        if window != "auto":  # "auto" may find no step worth its fixed length on this model
+            self.assertLess(out.num_forward_passes, 40, "multi-token steps must have run")
+        self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 2)
+        self.assertEqual(sum(torch._dynamo.utils.counters["recompiles"].values()), 0)

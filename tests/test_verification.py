@@ -2,13 +2,13 @@ import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_lookahead import GreedyVerifier, enable_lookahead
 from transformers_lookahead.distribution_check import chi_square_p_value, homogeneity_p_value
 from transformers_lookahead.verification import SamplingVerifier
 
-from .utils import pool_tree
+from .utils import SMALL_VOCABULARY, pool_tree, small_vocabulary_model
 
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm
 # is expected about once in ten thousand runs of the suite.
@@ -64,20 +64,7 @@ class LookaheadSamplingDistributionTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        config = LlamaConfig(
-            vocab_size=12,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            initializer_range=0.3,
-            pad_token_id=0,
-            eos_token_id=None,
-            bos_token_id=None,
-        )
-        torch.manual_seed(0)
-        cls.model = enable_lookahead(LlamaForCausalLM(config).eval())
+        cls.model = enable_lookahead(small_vocabulary_model())
         # A repetitive prompt: the pool and the context copy then propose candidates that often get accepted.
         cls.prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
 
@@ -89,7 +76,7 @@ class LookaheadSamplingDistributionTest(unittest.TestCase):
     )
     def test_first_tokens(self, _, warpers):
         runs, new_tokens = 1500, 5
-        counts = {label: torch.zeros(new_tokens, 12) for label in ("plain", "lookahead")}
+        counts = {label: torch.zeros(new_tokens, SMALL_VOCABULARY) for label in ("plain", "lookahead")}
         accepted_more_than_one = 0
         for _ in range(runs):
             for label, extra in (("plain", {}), ("lookahead", {"lookahead_window": 2, "lookahead_ngram": 3})):

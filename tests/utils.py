@@ -93,6 +93,27 @@ def tiny_model(name: str, attn_implementation: str = "sdpa", seed: int = 0):
     return model.eval()
 
 
+SMALL_VOCABULARY = 12
+
+
+def small_vocabulary_model():
+    """A one-layer random Llama over 12 tokens: small enough to compare sampled distributions token by token."""
+    config = transformers.LlamaConfig(
+        vocab_size=SMALL_VOCABULARY,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=INIT_RANGE,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def random_prompt(length: int, seed: int = 0) -> torch.LongTensor:
     """A prompt of `length` tokens, avoiding the special ids 0 and 1, with some repeats for the pool to find."""
     generator = torch.Generator().manual_seed(seed)

@@ -34,6 +34,32 @@ METHODS = {
     "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
     "lookahead_auto": {"lookahead_window": "auto"},
 }
+DEFAULT_METHODS = list(METHODS)
+
+
+def _compile_everywhere():
+    """The compile config plain `generate` honours on any device (it compiles only on accelerators by default)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+# A static cache sized once for every prompt, so that compiled forwards keep one cache shape across calls.
+_STATIC = {"cache_implementation": "static", "max_cache_len": 1024}
+METHODS.update(
+    {
+        "greedy_static": _STATIC,
+        "greedy_static_compiled": {**_STATIC, "compile_config": _compile_everywhere()},
+        "lookahead_auto_static": {**_STATIC, "lookahead_window": "auto"},
+        "lookahead_auto_static_compiled": {
+            **_STATIC,
+            "lookahead_window": "auto",
+            "compile_config": _compile_everywhere(),
+        },
+    }
+)
 SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
 SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
 
@@ -142,8 +168,12 @@ def run_benchmark(args) -> dict:
     timer = ForwardTimer(model)
     runs: list[Run] = []
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
-    model.generate(prompts[0][2], **common)  # warm-up: kernels, allocator, the auto policy's cost table
-    model.generate(prompts[0][2], lookahead_window="auto", **common)
+    # Warm-up: kernels, allocator, the auto policy's cost table, and compilation for the compiled methods.
+    warmup_seconds = {}
+    for name, kwargs in {"greedy": {}, **methods}.items():
+        start = time.perf_counter()
+        model.generate(prompts[0][2], **common, **kwargs)
+        warmup_seconds[name] = time.perf_counter() - start
     progress = tqdm(total=len(prompts) * args.repeats * len(methods), desc="benchmark", unit="gen")
     for prompt_id, category, ids in prompts:
         reference = None
@@ -173,7 +203,12 @@ def run_benchmark(args) -> dict:
                 progress.update()
     progress.close()
     sweep = _window_sweep(model, prompts[: args.sweep_prompts], args) if args.sweep_prompts else []
-    return {"environment": _environment(args, device), "runs": [asdict(r) for r in runs], "window_sweep": sweep}
+    return {
+        "environment": _environment(args, device),
+        "runs": [asdict(r) for r in runs],
+        "window_sweep": sweep,
+        "warmup_seconds": warmup_seconds,
+    }
 
 
 def _window_sweep(model, prompts, args) -> list[dict]:
@@ -596,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -645,6 +680,8 @@ def main(argv: list[str] | None = None) -> None:
     result["summary"] = rows
     (out / "benchmark.json").write_text(json.dumps(result, indent=1))
     table = format_table(rows)
+    warmup = ", ".join(f"{name} {seconds:.1f}" for name, seconds in result["warmup_seconds"].items())
+    table += f"\nfirst call of each method (seconds, compilation included): {warmup}"
     (out / "benchmark.txt").write_text(table + "\n")
     plot(result, rows, out / "benchmark.png")
     print(table)

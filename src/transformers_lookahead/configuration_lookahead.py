@@ -98,6 +98,18 @@ class LookaheadConfig:
         """Number of window levels (N - 1), which is also the length of every candidate n-gram after its key."""
         return self.ngram - 1
 
+    def max_step_length(self, window: int | None = None) -> int:
+        """
+        The most tokens one sequence's step can feed.
+
+        Args:
+            window (`int`, *optional*): the window width in use; by default `window`, or the widest `"auto"` picks.
+        """
+        window = window if window is not None else (AUTO_MAX_WINDOW if self.adaptive else self.window)
+        context = AUTO_CONTEXT_DEPTH if self.adaptive else 0
+        pending = 1 if self.cache_commit == "gather" else self.levels + 1 + context
+        return pending + window * self.levels + self.guess * self.levels + context
+
     @classmethod
     def from_sources(cls, *sources: Any) -> LookaheadConfig | None:
         """

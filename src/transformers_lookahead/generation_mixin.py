@@ -32,6 +32,21 @@ class LookaheadGenerationMixin:
     ):
         return generate_with_lookahead(self, inputs, generation_config, **kwargs)
 
+    def _prepare_cache_for_generation(
+        self,
+        generation_config: GenerationConfig,
+        model_kwargs: dict,
+        generation_mode: Any,
+        batch_size: int,
+        max_cache_length: int,
+    ) -> Any:
+        # A lookahead step writes a whole step past the accepted tokens before rolling back: a static cache built
+        # for this call gets that much room beyond what plain decoding needs.
+        max_cache_length += getattr(self, "_lookahead_step_room", 0)
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
     def save_pretrained(self, *args: Any, **kwargs: Any):
         # `GenerationConfig.from_pretrained` drops custom fields from configs flagged as derived from the model
         # config (what a model built from a config carries); once lookahead fields are set the config is the user's.
@@ -92,7 +107,11 @@ def generate_with_lookahead(
         lookahead_streamer=kwargs.pop("streamer", None),
         lookahead_assistant_model=kwargs.pop("assistant_model", None),
     )
-    return GenerationMixin.generate(model, inputs, generation_config, custom_generate=decoding, **kwargs)
+    model._lookahead_step_room = config.max_step_length()
+    try:
+        return GenerationMixin.generate(model, inputs, generation_config, custom_generate=decoding, **kwargs)
+    finally:
+        del model._lookahead_step_room
 
 
 def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> None:

@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_commit import CacheCommitter, attention_groups, layer_types
 from .configuration_lookahead import AUTO_CONTEXT_DEPTH, AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
-from .cost_model import StepCostModel, cache_argument
+from .cost_model import COST_GRID, StepCostModel, cache_argument
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
 from .step_layout import RowStep, StepInputs, StepLayout
@@ -220,14 +220,6 @@ class LookaheadDecoder:
         # criteria fired keeps generating until every sequence's have.
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
 
-    def max_step_length(self) -> int:
-        """The most tokens one sequence's step can hold."""
-        config = self.config
-        pending = 1 if config.cache_commit == "gather" else config.levels + 1 + AUTO_CONTEXT_DEPTH
-        window = self.window_size * config.levels
-        tree = config.guess * config.levels + (AUTO_CONTEXT_DEPTH if config.adaptive else 0)
-        return pending + window + tree
-
     def _equip(self, sequence: SequenceState) -> None:
         """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
         config, tokens = self.config, sequence.tokens
@@ -287,6 +279,7 @@ class LookaheadDecoder:
         self._settle(sequences)
 
         self.committer.start()
+        self._choose_forward(model_kwargs)
         layout = StepLayout(
             self.window_size,
             config.levels,
@@ -299,7 +292,7 @@ class LookaheadDecoder:
             slot_valid = self._keep_running(active, sequences, slot_valid)
         while active:
             plans = self._plan(active, layout)
-            step = layout.build(cache, [plan[2] for plan in plans], slot_valid)
+            step = layout.build(cache, [plan[2] for plan in plans], slot_valid, self.fixed_length)
 
             started = time.perf_counter()
             logits = self._forward(step)
@@ -426,12 +419,12 @@ class LookaheadDecoder:
         batch, prompt_length = input_ids.shape
         # Each step adds at most the tokens some sequence accepted, so all steps add at most batch x new tokens.
         new_tokens = self.generation_config.max_length - prompt_length
-        needed = prompt_length + batch * new_tokens + self.max_step_length()
+        needed = prompt_length + batch * new_tokens + self.config.max_step_length(self.window_size)
         if needed >= min(windows):
             raise ValueError(
                 f"This model has sliding-window layers (window {min(windows)}); with a batch of {batch} rows or a "
                 f"padded prompt, lookahead decoding needs prompt length ({prompt_length}) + batch size x "
-                f"max_new_tokens ({batch} x {new_tokens}) + the longest step ({self.max_step_length()}) to stay "
+                f"max_new_tokens ({batch} x {new_tokens}) + the longest step ({self.config.max_step_length(self.window_size)}) to stay "
                 "below the window. Use a smaller batch, fewer `max_new_tokens`, or one unpadded prompt per call."
             )
 
@@ -443,12 +436,21 @@ class LookaheadDecoder:
         """
         candidates = [self._candidates(sequence) for sequence in active]
         budget = None
-        if self.config.adaptive and len(active) > 1:
+        if self.fixed_length is not None:
+            # A compiled forward pass knows two step shapes: one token, or `fixed_length` tokens.
+            if self.committer.room() < self.fixed_length:
+                budget = 1
+            elif self.config.adaptive:
+                budget = self._batch_length(active, candidates, (1, self.fixed_length))
+        elif self.config.adaptive and len(active) > 1:
             budget = self._batch_length(active, candidates)
         plans = []
         for sequence, (tree, window_allowed) in zip(active, candidates):
             pending = sequence.pending.shape[0]
-            use_window, tree = sequence.policy.plan(tree, window_allowed, pending, budget)
+            if budget == 1:
+                use_window, tree = False, tree.subtree([])
+            else:
+                use_window, tree = sequence.policy.plan(tree, window_allowed, pending, budget)
             room = self.committer.room()
             if room is not None:
                 # A static cache has room for `room` more entries: the step must fit, the window first to go.
@@ -475,13 +477,20 @@ class LookaheadDecoder:
         return tree, window_allowed
 
     @staticmethod
-    def _batch_length(active: list[SequenceState], candidates: list[tuple[TokenTree, bool]]) -> int:
-        """The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost."""
+    def _batch_length(
+        active: list[SequenceState],
+        candidates: list[tuple[TokenTree, bool]],
+        allowed: tuple[int, ...] | None = None,
+    ) -> int:
+        """
+        The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost, among the
+        `allowed` lengths (any length if `None`).
+        """
         per_row = [
             sequence.policy.step_options(tree, window_allowed, sequence.pending.shape[0])
             for sequence, (tree, window_allowed) in zip(active, candidates)
         ]
-        longest = max(length for options in per_row for length, _ in options)
+        longest = max([length for options in per_row for length, _ in options] + list(allowed or ()))
         total = [0.0] * (longest + 1)
         for options in per_row:
             # Best expected tokens of this row within each length: a running maximum over lengths.
@@ -493,8 +502,28 @@ class LookaheadDecoder:
                 running = max(running, best[length])
                 total[length] += running
         cost = active[0].policy.step_cost
-        lengths = sorted({length for options in per_row for length, _ in options})
+        lengths = allowed or sorted({length for options in per_row for length, _ in options})
         return max(lengths, key=lambda length: total[length] / cost(length))
+
+    def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:
+        """
+        Compiles the step forward pass where plain decoding would compile its own (a static cache on an accelerator,
+        or a `compile_config` that asks for it): multi-token steps are then padded to one length, so the compiled
+        function sees two shapes only, one token and `fixed_length` tokens.
+        """
+        model, generation_config = self.model, self.generation_config
+        self.forward_call = model.__call__
+        self.fixed_length = None
+        if not self.committer.is_static or not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+            return
+        self.forward_call = model.get_compiled_call(generation_config.compile_config)
+        longest = self.config.max_step_length(self.window_size)
+        if not self.config.adaptive:
+            self.fixed_length = longest
+            return
+        # The widest step this device runs for at most twice a one-token step (on a GPU: about all of it).
+        affordable = [length for length in COST_GRID if 4 <= length <= longest and self.cost(length) <= 2.0]
+        self.fixed_length = max(affordable, default=min(4, longest))
 
     def _keep_running(
         self, running: list[SequenceState], batch: list[SequenceState], slot_valid: torch.BoolTensor
@@ -509,7 +538,7 @@ class LookaheadDecoder:
         kwargs = {self.cache_argument: self.committer.cache}
         if self.slices_logits:
             kwargs["logits_to_keep"] = step.logits_rows
-        outputs = self.model(
+        outputs = self.forward_call(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             attention_mask=step.attention_mask,

@@ -185,7 +185,13 @@ class StepLayout:
         logits_rows.append(torch.arange(tree_start, length, device=device))
         return RowStep(input_ids, positions, visible, torch.cat(logits_rows), tree_row, window_tokens is not None)
 
-    def build(self, cache, rows: list[RowStep], slot_valid: torch.BoolTensor | None = None) -> StepInputs:
+    def build(
+        self,
+        cache,
+        rows: list[RowStep],
+        slot_valid: torch.BoolTensor | None = None,
+        fixed_length: int | None = None,
+    ) -> StepInputs:
         """
         Pads the sequences' steps to one length and builds the masks over the cache and the step.
 
@@ -196,20 +202,29 @@ class StepLayout:
                 token of each sequence (left padding and the slots a sequence did not accept are False). `None`
                 when every slot is valid. Sliding layers are then assumed to still hold every slot (the decoder
                 checks that), so they take the full-attention mask.
+            fixed_length (`int`, *optional*): pad every multi-token step to this length and compute the logits of
+                every row, so that all of them have one shape (a compiled forward pass then compiles once).
 
         Returns:
             `StepInputs`.
         """
         device = self.device
         length = max(row.length for row in rows)
-        if len(rows) == 1:
+        fixed = fixed_length is not None and length > 1
+        if fixed:
+            length = fixed_length
+        if len(rows) == 1 and rows[0].length == length:
             only = rows[0]
             if length == 1 and slot_valid is None:
                 # A lone token sees everything before it: the model builds that mask itself (for sliding layers too),
                 # exactly as in plain decoding, which is cheaper than a custom mask.
                 return StepInputs(only.input_ids[None], only.positions[None], None, only.logits_rows, [None])
             input_ids, positions = only.input_ids[None], only.positions[None]
-            visible = only.visible[None] if only.visible is not None else torch.ones(1, 1, 1, dtype=torch.bool)
+            visible = (
+                only.visible[None]
+                if only.visible is not None
+                else torch.ones(1, 1, 1, dtype=torch.bool, device=device)
+            )
             logits_rows, row_logits = only.logits_rows, [None]
         else:
             batch = len(rows)
@@ -225,6 +240,9 @@ class StepLayout:
                     visible[b, : row.length, : row.length] = row.visible
             logits_rows = torch.unique(torch.cat([row.logits_rows for row in rows]))
             row_logits = [torch.searchsorted(logits_rows, row.logits_rows) for row in rows]
+        if fixed:
+            logits_rows = torch.arange(length, device=device)
+            row_logits = [row.logits_rows for row in rows]
 
         if isinstance(self.groups, AttentionGroup):
             attention_mask = self._mask(cache, self.groups, visible, positions, slot_valid)
