@@ -97,6 +97,16 @@ class StepPolicyTest(unittest.TestCase):
         kept = sorted(range(len(tree)), key=lambda node: -probability[node])[:3]
         self.assertEqual(sorted(planned.tokens), sorted(tree.tokens[node] for node in kept))
 
+    def test_a_window_probe_stays_within_the_budget(self):
+        policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, probe_every=0)
+        tree = _tree()
+        use_window, planned = policy.plan(tree, True, 1, budget=10)
+        self.assertTrue(use_window)
+        self.assertLessEqual(1 + 8 + len(planned), 10)
+        use_window, planned = policy.plan(tree, True, 1, budget=6)
+        self.assertFalse(use_window, "a window of 8 cannot fit in 6 tokens")
+        self.assertLessEqual(1 + len(planned), 6)
+
     def test_node_probabilities_follow_pool_shares(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
         tree = _tree()

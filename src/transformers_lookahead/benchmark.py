@@ -282,13 +282,13 @@ def summarize(result: dict) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        f"{'category':<16} {'method':<18} {'n':>3} {'tok/s':>7} {'speedup':>8} {'min':>6} {'tok/fwd':>8} "
+        f"{'category':<16} {'method':<30} {'n':>3} {'tok/s':>7} {'speedup':>8} {'min':>6} {'tok/fwd':>8} "
         f"{'acc/step':>8} {'host':>6} {'identical':>9}"
     )
     lines = [header, "-" * len(header)]
     for row in sorted(rows, key=lambda r: (r["category"], list(METHODS).index(r["method"]))):
         lines.append(
-            f"{row['category']:<16} {row['method']:<18} {row['prompts']:>3} {row['tokens_per_s']:>7.1f} "
+            f"{row['category']:<16} {row['method']:<30} {row['prompts']:>3} {row['tokens_per_s']:>7.1f} "
             f"{row['speedup']:>7.2f}x {row['min_prompt_speedup']:>5.2f}x {row['tokens_per_forward']:>8.2f} "
             f"{row['accepted_per_step']:>8.2f} {row['host_share']:>6.1%} {row['identical']:>4}/{row['prompts']}"
         )

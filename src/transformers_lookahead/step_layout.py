@@ -212,6 +212,8 @@ class StepLayout:
         length = max(row.length for row in rows)
         fixed = fixed_length is not None and length > 1
         if fixed:
+            if length > fixed_length:
+                raise RuntimeError(f"A step of {length} tokens was planned for a fixed step length of {fixed_length}.")
             length = fixed_length
         if len(rows) == 1 and rows[0].length == length:
             only = rows[0]

@@ -187,9 +187,14 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             # The batch pays for `budget` tokens per row anyway: verify as much as fits.
             fitting = [option for option in options if option[0] <= budget] or options[:1]
             _, _, use_window, count = max(fitting, key=lambda option: option[1])
-        probe_fits = budget is None or pending_length + self.window_length <= budget
-        if window_allowed and not use_window and self._steps_without_window >= self.probe_every and probe_fits:
-            use_window = True
+        if window_allowed and not use_window and self._steps_without_window >= self.probe_every:
+            if budget is None:
+                use_window = True
+            else:
+                # Probe with the best step that holds the window and still fits the budget, if there is one.
+                windowed = [option for option in options if option[2] and option[0] <= budget]
+                if windowed:
+                    _, _, use_window, count = max(windowed, key=lambda option: option[1])
         return use_window, tree.subtree(self._order[:count])
 
     def node_probabilities(self, tree: TokenTree) -> list[float]:
