@@ -489,6 +489,7 @@ def run_batched_benchmark(args) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad_id}
     methods = {"greedy": {}, "lookahead_auto": {"lookahead_window": "auto"}}
+    timer = ForwardTimer(model)
     warm = _left_pad([prompts[0][2], prompts[-1][2]], pad_id)
     for kwargs in methods.values():
         model.generate(**warm, **common, **kwargs)
@@ -502,6 +503,7 @@ def run_batched_benchmark(args) -> dict:
             reference = None
             for repeat in range(args.repeats):
                 for method, kwargs in methods.items():
+                    timer.reset()
                     begin = time.perf_counter()
                     out = model.generate(**inputs, **common, **kwargs)
                     if device.type == "cuda":
@@ -518,6 +520,8 @@ def run_batched_benchmark(args) -> dict:
                             # Padding after a row's EOS is not a generated token.
                             "new_tokens": int(_generated_lengths(generated, tokenizer.eos_token_id).sum()),
                             "seconds": seconds,
+                            "forward_seconds": timer.seconds,
+                            "forward_passes": timer.calls,
                             "identical_to_greedy": bool(torch.equal(out, reference)),
                         }
                     )
@@ -550,9 +554,17 @@ def summarize_batched(result: dict) -> list[dict]:
             )
             tokens[method] = sum(next(run["new_tokens"] for run in runs if run["batch"] == batch) for batch in batches)
         lookahead = [run for run in mine if run["method"] == "lookahead_auto"]
+        host = {
+            method: 1
+            - sum(run.get("forward_seconds", 0.0) for run in mine if run["method"] == method)
+            / sum(run["seconds"] for run in mine if run["method"] == method)
+            for method in ("greedy", "lookahead_auto")
+        }
         rows.append(
             {
                 "batch_size": size,
+                "greedy_host_share": host["greedy"],
+                "lookahead_host_share": host["lookahead_auto"],
                 "greedy_tokens_per_s": tokens["greedy"] / seconds["greedy"],
                 "lookahead_tokens_per_s": tokens["lookahead_auto"] / seconds["lookahead_auto"],
                 "speedup": seconds["greedy"] / seconds["lookahead_auto"],
@@ -564,12 +576,16 @@ def summarize_batched(result: dict) -> list[dict]:
 
 
 def format_batched_table(rows: list[dict]) -> str:
-    header = f"{'batch':>5} {'greedy tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} {'identical':>9}"
+    header = (
+        f"{'batch':>5} {'greedy tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} {'host (greedy/lookahead)':>24} "
+        f"{'identical':>9}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row['batch_size']:>5} {row['greedy_tokens_per_s']:>12.1f} {row['lookahead_tokens_per_s']:>15.1f} "
-            f"{row['speedup']:>7.2f}x {row['identical']:>4}/{row['runs']}"
+            f"{row['speedup']:>7.2f}x {row['greedy_host_share']:>14.1%} / {row['lookahead_host_share']:>6.1%} "
+            f"{row['identical']:>4}/{row['runs']}"
         )
     return "\n".join(lines)
 
