@@ -1,6 +1,16 @@
 import unittest
 
-from transformers_lookahead.benchmark import format_table, summarize
+import torch
+
+from transformers_lookahead.benchmark import (
+    _generated_lengths,
+    format_batched_table,
+    format_sampling_table,
+    format_table,
+    summarize,
+    summarize_batched,
+    summarize_sampling,
+)
 
 
 def _run(method, prompt_id, category, seconds, passes, identical=True, repeat=0):
@@ -38,3 +48,89 @@ class BenchmarkSummaryTest(unittest.TestCase):
         table = format_table(list(rows.values()))
         self.assertIn("lookahead_auto", table)
         self.assertIn("2.00x", table)
+
+
+class SamplingAndBatchedSummaryTest(unittest.TestCase):
+    def test_sampling_speedup_is_a_ratio_of_token_rates(self):
+        runs = []
+        for repeat in range(2):
+            for prompt_id, category in (("h1", "humaneval"), ("m1", "writing")):
+                runs.append(
+                    {
+                        "prompt_id": prompt_id,
+                        "category": category,
+                        "method": "sample",
+                        "temperature": 0.7,
+                        "repeat": repeat,
+                        "new_tokens": 100,
+                        "seconds": 10.0,
+                        "forward_passes": 100,
+                    }
+                )
+                runs.append(
+                    {
+                        "prompt_id": prompt_id,
+                        "category": category,
+                        "method": "lookahead_sample",
+                        "temperature": 0.7,
+                        "repeat": repeat,
+                        "new_tokens": 50,
+                        "seconds": 4.0,
+                        "forward_passes": 25,
+                    }
+                )
+        rows = {row["dataset"]: row for row in summarize_sampling({"runs": runs})}
+        self.assertAlmostEqual(rows["all"]["sample_tokens_per_s"], 10.0)
+        self.assertAlmostEqual(rows["all"]["lookahead_tokens_per_s"], 12.5)
+        self.assertAlmostEqual(rows["humaneval"]["speedup"], 1.25)
+        self.assertAlmostEqual(rows["mt_bench"]["median_prompt_speedup"], 1.25)
+        self.assertAlmostEqual(rows["all"]["tokens_per_forward"], 2.0)
+        checks = [
+            {
+                "temperature": 0.7,
+                "new_tokens": 6,
+                "runs": 300,
+                "p_values": [0.5, 0.2],
+                "runs_with_multi_token_steps": 10,
+            }
+        ]
+        self.assertIn("lowest per-position p-value 0.200", format_sampling_table(list(rows.values()), checks))
+
+    def test_batched_speedup_uses_median_batch_times(self):
+        runs = []
+        for repeat, noise in enumerate((0.0, 9.0, 0.0)):
+            runs.append(
+                {
+                    "batch_size": 2,
+                    "batch": 0,
+                    "method": "greedy",
+                    "repeat": repeat,
+                    "new_tokens": 200,
+                    "seconds": 10.0 + noise,
+                    "forward_seconds": 9.0,
+                    "identical_to_greedy": True,
+                }
+            )
+            runs.append(
+                {
+                    "batch_size": 2,
+                    "batch": 0,
+                    "method": "lookahead_auto",
+                    "repeat": repeat,
+                    "new_tokens": 200,
+                    "seconds": 8.0,
+                    "forward_seconds": 7.6,
+                    "identical_to_greedy": repeat != 1,
+                }
+            )
+        (row,) = summarize_batched({"runs": runs})
+        self.assertAlmostEqual(row["speedup"], 1.25)
+        self.assertAlmostEqual(row["lookahead_tokens_per_s"], 25.0)
+        self.assertAlmostEqual(row["lookahead_host_share"], 0.05)
+        self.assertEqual((row["identical"], row["runs"]), (2, 3))
+        self.assertIn("1.25x", format_batched_table([row]))
+
+    def test_generated_lengths_stop_at_the_first_eos(self):
+        generated = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8]])
+        self.assertEqual(_generated_lengths(generated, 2).tolist(), [2, 4])
+        self.assertEqual(_generated_lengths(generated, None).tolist(), [4, 4])
