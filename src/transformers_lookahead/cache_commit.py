@@ -137,11 +137,6 @@ class CacheCommitter:
                 if not layer.is_initialized:
                     continue
                 start = self._step_start(layer, step_length)
-                if batch == 1:
-                    rows = source[0] + start
-                    layer.keys[..., start : start + added, :] = layer.keys[..., rows, :]
-                    layer.values[..., start : start + added, :] = layer.values[..., rows, :]
-                    continue
                 heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
                 gather_index = source[:, None, :, None].expand(batch, heads, added, head_dim)
                 keys = torch.gather(layer.keys[:, :, start:], 2, gather_index)

@@ -205,10 +205,10 @@ class LookaheadDecoder:
         self.stopping_criteria = stopping_criteria
         self.generation_config = generation_config
         self.committer = committer
-        self.batch_size = batch_size
         if config.adaptive:
             self.cost = StepCostModel.for_model(model)
-            self.window_size = choose_window(self.cost.for_batch(batch_size), config.levels, AUTO_MAX_WINDOW)
+            self.batch_cost = self.cost.for_batch(batch_size)
+            self.window_size = choose_window(self.batch_cost, config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
         forward_parameters = inspect.signature(model.forward).parameters
@@ -232,7 +232,7 @@ class LookaheadDecoder:
         sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
         if config.adaptive:
             sequence.policy = AdaptiveStepPolicy(
-                self.cost.for_batch(self.batch_size),
+                self.batch_cost,
                 self.window_size * config.levels,
                 config.levels,
                 context_depth=AUTO_CONTEXT_DEPTH,
@@ -438,10 +438,11 @@ class LookaheadDecoder:
         the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
         """
         candidates = [self._candidates(sequence) for sequence in active]
+        room = self.committer.room()
         budget = None
         if self.fixed_length is not None:
             # A compiled forward pass knows two step shapes: one token, or `fixed_length` tokens.
-            if self.committer.room() < self.fixed_length:
+            if room < self.fixed_length:
                 budget = 1
             elif self.config.adaptive:
                 budget = self._batch_length(active, candidates, (1, self.fixed_length))
@@ -454,7 +455,6 @@ class LookaheadDecoder:
                 use_window, tree = False, tree.subtree([])
             else:
                 use_window, tree = sequence.policy.plan(tree, window_allowed, pending, budget)
-            room = self.committer.room()
             if room is not None:
                 # A static cache has room for `room` more entries: the step must fit, the window first to go.
                 if use_window and pending + len(sequence.window) + len(tree) > room:
