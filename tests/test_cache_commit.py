@@ -5,9 +5,8 @@ from parameterized import parameterized
 from transformers import DynamicCache
 
 from transformers_lookahead import CacheCommitter, NGramPool, StepLayout
-from transformers_lookahead.cache_commit import attention_groups, layer_types
-from transformers_lookahead.cost_model import cache_argument
-from transformers_lookahead.step_layout import AttentionGroup
+from transformers_lookahead.step_forward import cache_argument
+from transformers_lookahead.step_layout import AttentionGroup, attention_groups, layer_types
 
 from .utils import random_prompt, tiny_model
 

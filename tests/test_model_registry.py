@@ -9,6 +9,7 @@ import unittest
 from pathlib import Path
 
 import torch
+import transformers
 from parameterized import parameterized
 
 from transformers_lookahead import enable_lookahead
@@ -35,69 +36,109 @@ def _expected(name: str, cache: str) -> str:
 
 
 # (family, cache, expected): EXACT, or a fragment of the error lookahead raises before any forward pass.
-REGISTRY = [(name, cache, _expected(name, cache)) for name in TINY_CONFIGS for cache in CACHES] + [
-    ("t5", "dynamic", "encoder-decoder model"),
-    ("bart", "dynamic", "encoder-decoder model"),
-]
+ENCODER_DECODER_REFUSAL = "encoder-decoder model whose decoder takes no `decoder_position_ids`"
+REGISTRY = (
+    [(name, cache, _expected(name, cache)) for name in TINY_CONFIGS for cache in CACHES]
+    + [("whisper", cache, _expected("whisper", cache)) for cache in CACHES]
+    + [("t5", "dynamic", ENCODER_DECODER_REFUSAL), ("bart", "dynamic", ENCODER_DECODER_REFUSAL)]
+)
 # (backend, expected) on a tiny Llama.
 BACKENDS = [
     ("eager", EXACT),
     ("sdpa", EXACT),
     ("flash_attention_2", "needs an attention backend that applies custom 4D masks"),
-    ("flex_attention", "needs an attention backend that applies custom 4D masks"),
+    ("flex_attention", "is not available on the CPU"),
 ]
 DOCUMENT = Path(__file__).parents[1] / "docs" / "source" / "en" / "model_registry.md"
 
 
+# Encoder-decoder families: architecture and a tiny config (built in `registry_model`).
+ENCODER_DECODERS = {
+    "whisper": "WhisperForConditionalGeneration",
+    "t5": "T5ForConditionalGeneration",
+    "bart": "BartForConditionalGeneration",
+}
+_ENCODER_DECODER_CONFIGS = {
+    "whisper": {
+        "vocab_size": 96,
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "num_mel_bins": 8,
+        "max_source_positions": 16,
+        "max_target_positions": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "begin_suppress_tokens": None,
+        "suppress_tokens": None,
+        "init_std": 1.0,
+    },
+    "t5": {"vocab_size": 96, "d_model": 16, "d_ff": 32, "num_layers": 1, "num_heads": 2, "d_kv": 8},
+    "bart": {
+        "vocab_size": 96,
+        "d_model": 16,
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "encoder_ffn_dim": 32,
+        "decoder_ffn_dim": 32,
+    },
+}
+
+
 def registry_model(name: str, attn_implementation: str = "sdpa"):
-    if name == "t5":
-        from transformers import T5Config, T5ForConditionalGeneration
-
-        config = T5Config(
-            vocab_size=96, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, decoder_start_token_id=0
-        )
-        return enable_lookahead(T5ForConditionalGeneration(config).eval())
-    if name == "bart":
-        from transformers import BartConfig, BartForConditionalGeneration
-
-        config = BartConfig(
-            vocab_size=96,
-            d_model=16,
-            encoder_layers=1,
-            decoder_layers=1,
-            encoder_attention_heads=2,
-            decoder_attention_heads=2,
-            encoder_ffn_dim=32,
-            decoder_ffn_dim=32,
-        )
-        return enable_lookahead(BartForConditionalGeneration(config).eval())
-    return enable_lookahead(tiny_model(name, attn_implementation))
+    """The tiny model of family `name` with lookahead enabled, and the inputs its `generate` takes."""
+    if name not in ENCODER_DECODERS:
+        return enable_lookahead(tiny_model(name, attn_implementation)), random_prompt(20, seed=6)
+    architecture = ENCODER_DECODERS[name]
+    config_class = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
+    config = config_class(**_ENCODER_DECODER_CONFIGS[name], decoder_start_token_id=1)
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)._from_config(config, attn_implementation=attn_implementation)
+    model.generation_config.eos_token_id = None  # 30 tokens every time
+    if name == "whisper":
+        features = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, generator=_seed(0))
+        return enable_lookahead(model.eval()), features
+    return enable_lookahead(model.eval()), random_prompt(20, seed=6)
 
 
-def _check(test: unittest.TestCase, model, expected: str, **kwargs) -> None:
-    prompt = random_prompt(20, seed=6)
+def _seed(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _check(test: unittest.TestCase, model, inputs: torch.Tensor, expected: str, **kwargs) -> None:
     common = {"max_new_tokens": 30, "do_sample": False, **kwargs}
     if expected != EXACT:
         with test.assertRaisesRegex(ValueError, re.escape(expected)):
-            model.generate(prompt, lookahead_window=4, **common)
+            model.generate(inputs, lookahead_window=4, **common)
         return
-    plain = model.generate(prompt, **common)
+    plain = model.generate(inputs, **common)
     for window in (4, "auto"):
         with test.subTest(window=window):
-            test.assertTrue(torch.equal(model.generate(prompt, lookahead_window=window, **common), plain))
+            test.assertTrue(torch.equal(model.generate(inputs, lookahead_window=window, **common), plain))
 
 
 class ModelRegistryTest(unittest.TestCase):
     @parameterized.expand(REGISTRY)
     def test_family_and_cache(self, name, cache, expected):
-        _check(self, registry_model(name), expected, cache_implementation=None if cache == "dynamic" else cache)
+        model, inputs = registry_model(name)
+        _check(self, model, inputs, expected, cache_implementation=None if cache == "dynamic" else cache)
 
     @parameterized.expand(BACKENDS)
     def test_attention_backend(self, backend, expected):
-        model = registry_model("llama")
-        # Set after loading: the test only needs the name lookahead checks, not the kernels installed.
-        model.config._attn_implementation = backend
-        _check(self, model, expected)
+        model, inputs = registry_model("llama")
+        if expected == EXACT:
+            model.set_attn_implementation(backend)
+        else:
+            # Set by hand: the refusal only needs the name, not the kernels installed.
+            model.config._attn_implementation = backend
+        _check(self, model, inputs, expected)
 
     def test_document_is_current(self):
         from utils.render_registry import render

@@ -1,12 +1,14 @@
+import subprocess
+import sys
 import unittest
+from pathlib import Path
 
 import torch
 from parameterized import parameterized
 from transformers import DynamicCache
 
 from transformers_lookahead import StepLayout
-from transformers_lookahead.cache_commit import attention_groups, layer_types
-from transformers_lookahead.step_layout import AttentionGroup
+from transformers_lookahead.step_layout import AttentionGroup, attention_groups, layer_types
 
 from .utils import pool_tree, random_prompt, tiny_model
 
@@ -78,3 +80,74 @@ def _step_visibility(step):
         mask = mask["full_attention"]
     length = step.length
     return mask[0, 0, :, -length:] == 0
+
+
+class FlexAttentionMaskTest(unittest.TestCase):
+    """Flex attention takes the step's masks as `BlockMask`s; they must let through exactly what the float masks do."""
+
+    @parameterized.expand([("llama",), ("gemma3",)])
+    def test_block_mask_attends_like_the_additive_mask(self, name):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        model = tiny_model(name, "eager")
+        prompt = random_prompt(20, seed=3)[0]
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+        groups = attention_groups(cache, layer_types(model))
+        window = torch.tensor([10, 11, 12, 13, 14, 15])
+        tree = pool_tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
+        steps = {}
+        for mask_format in ("additive", "block"):
+            layout = StepLayout(3, 2, groups, torch.float32, torch.device("cpu"), mask_format)
+            steps[mask_format] = layout.build(cache, [layout.row(prompt[-1:], 19, window, tree)])
+        additive, block = steps["additive"].attention_mask, steps["block"].attention_mask
+        if not isinstance(additive, dict):
+            additive, block = {"all": additive}, {"all": block}
+        self.assertEqual(additive.keys(), block.keys())
+        generator = torch.Generator().manual_seed(0)
+        for kind in additive:
+            length, kv_length = additive[kind].shape[-2:]
+            query = torch.randn(1, 2, length, 8, generator=generator)
+            key, value = torch.randn(2, 1, 2, kv_length, 8, generator=generator)
+            expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=additive[kind])
+            with self.subTest(kind=kind):
+                self.assertEqual(tuple(block[kind].shape), (1, 1, length, kv_length))
+                torch.testing.assert_close(flex_attention(query, key, value, block_mask=block[kind]), expected)
+
+    def test_layout_for_a_flex_model_builds_block_masks(self):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        model = tiny_model("llama", "flex_attention")
+        layout = StepLayout.for_model(model, DynamicCache(config=model.config), 3, 2)
+        step = layout.build(DynamicCache(), [layout.row(torch.tensor([4, 5]), 1, None, pool_tree(5, [[6]], 1))])
+        self.assertIsInstance(step.attention_mask, BlockMask)
+
+    def test_generation_on_flex_attention_is_exact(self):
+        """
+        Greedy lookahead through PyTorch's flex kernel. Lookahead refuses flex attention on the CPU because PyTorch
+        2.13 fails to compile some later kernels; the masks themselves are checked here, in a fresh process (one
+        compilation sequence) with that refusal lifted.
+        """
+        script = """
+import torch
+from unittest import mock
+from transformers_lookahead import enable_lookahead
+from tests.utils import random_prompt, tiny_model
+
+model = enable_lookahead(tiny_model("llama", "sdpa"))
+prompt = random_prompt(20, seed=6)
+expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+model.set_attn_implementation("flex_attention")
+with mock.patch("transformers_lookahead.configuration_lookahead.check_attention_implementation"):
+    output = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window=4, return_dict_in_generate=True)
+print("EXACT" if torch.equal(output.sequences, expected) else "DIFFERENT", max(output.accepted_per_step))
+"""
+        root = Path(__file__).parents[1]
+        result = subprocess.run(
+            [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600, check=False
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        verdict, most_accepted = result.stdout.split()[-2:]
+        self.assertEqual(verdict, "EXACT")
+        self.assertGreater(int(most_accepted), 1, "no step accepted a guess: the test would not see a wrong mask")

@@ -8,10 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_model_registry import BACKENDS, CACHES, DOCUMENT, EXACT, REGISTRY  # noqa: E402
+from tests.test_model_registry import BACKENDS, CACHES, DOCUMENT, ENCODER_DECODERS, EXACT, REGISTRY  # noqa: E402
 from tests.utils import TINY_CONFIGS  # noqa: E402
-
-ENCODER_DECODERS = {"t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration"}
 
 
 def _cell(expected: str) -> str:

@@ -6,9 +6,10 @@ from .cache_commit import CacheCommitter
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig
 from .cost_model import StepCostModel
 from .generation_mixin import LookaheadGenerationMixin, enable_lookahead, generate_with_lookahead
-from .lookahead_decoding import LookaheadDecoderOnlyOutput, generate
+from .lookahead_decoding import LookaheadDecoderOnlyOutput, LookaheadEncoderDecoderOutput, generate
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
+from .step_forward import StepForward
 from .step_layout import StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy
 from .verification import GreedyVerifier, SamplingVerifier
@@ -28,12 +29,14 @@ __all__ = [
     "GreedyVerifier",
     "LookaheadConfig",
     "LookaheadDecoderOnlyOutput",
+    "LookaheadEncoderDecoderOutput",
     "LookaheadGenerationMixin",
     "LookaheadWindow",
     "NGramPool",
     "SamplingVerifier",
     "StaticStepPolicy",
     "StepCostModel",
+    "StepForward",
     "StepLayout",
     "TokenTree",
     "enable_lookahead",

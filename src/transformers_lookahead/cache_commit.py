@@ -7,38 +7,9 @@ from transformers import Cache
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
-from .step_layout import AttentionGroup
 
 # Layer classes whose `crop` puts them back as they were before a step.
 ROLLBACK_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
-
-
-def layer_types(model) -> list[str] | None:
-    """`config.layer_types` of the model's decoder: the keys its forward expects in a dict of masks."""
-    return getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-
-
-def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, AttentionGroup] | AttentionGroup:
-    """
-    Groups the cache layers by the attention mask they need.
-
-    Args:
-        cache (`Cache`): the model's cache, its layers already created.
-        layer_types (`list[str]` or `None`): `config.layer_types`, the names models key their mask dicts by.
-
-    Returns:
-        A single `AttentionGroup` when every layer takes the same mask, otherwise a dict keyed by layer type.
-    """
-    groups: dict[str, AttentionGroup] = {}
-    for idx, layer in enumerate(cache.layers):
-        name = layer_types[idx] if layer_types is not None else "full_attention"
-        if name not in groups:
-            # A static sliding layer that can be rolled back never holds more than its window: no key is too far.
-            window = getattr(layer, "sliding_window", None) if layer.is_sliding else None
-            groups[name] = AttentionGroup(idx, window)
-    if len({group.sliding_window for group in groups.values()}) == 1:
-        return next(iter(groups.values()))
-    return groups
 
 
 class CacheCommitter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,9 +21,10 @@ LOOKAHEAD_FIELDS = (
 )
 CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
 
-# Attention backends that apply an arbitrary additive 4D mask. Every other backend (flash attention in particular)
-# rebuilds a causal mask from the sequence layout and would silently let the lookahead branches see each other.
-SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+# Attention backends that apply an arbitrary 4D mask (flex attention as a `BlockMask`). Every other backend (flash
+# attention in particular) rebuilds a causal mask from the sequence layout and would silently let the lookahead
+# branches see each other.
+SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 DEFAULT_NGRAM = 5
@@ -175,6 +177,30 @@ def check_cache_implementation(cache_implementation: str | None) -> None:
     )
 
 
+def check_attention_implementation(model: PreTrainedModel) -> None:
+    """
+    Refuses attention backends that cannot apply a lookahead step's mask on the model's device.
+
+    Raises:
+        `ValueError` naming the backend and the ones to use instead.
+    """
+    attn = model.config._attn_implementation
+    if attn not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"Lookahead decoding needs an attention backend that applies custom 4D masks, but the model uses "
+            f"attn_implementation={attn!r}. Load or switch the model to one of {SUPPORTED_ATTENTION_IMPLEMENTATIONS}, "
+            "e.g. `model.set_attn_implementation('sdpa')`."
+        )
+    if attn == "flex_attention" and model.device.type == "cpu":
+        # Found with PyTorch 2.13: after a few lookahead steps (queries of 17-33 tokens over the cache), the next
+        # prefill's flex kernel fails to compile for the CPU (`CppCompileError`), plain decoding included.
+        raise ValueError(
+            "Lookahead decoding with attn_implementation='flex_attention' is not available on the CPU: PyTorch's "
+            "CPU flex attention kernels fail to compile for the mix of step shapes lookahead produces. Use 'sdpa' "
+            "or 'eager' on the CPU (`model.set_attn_implementation('sdpa')`), or run the model on a GPU."
+        )
+
+
 def validate_lookahead_setup(
     model: PreTrainedModel,
     generation_config: GenerationConfig,
@@ -193,20 +219,15 @@ def validate_lookahead_setup(
     Raises:
         `ValueError` naming the conflicting setting and what to use instead.
     """
-    if model.config.is_encoder_decoder:
+    if model.config.is_encoder_decoder and "decoder_position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(
-            f"Lookahead decoding supports decoder-only models; {type(model).__name__} is an encoder-decoder model. "
-            "A lookahead step places its guesses at chosen positions, and encoder-decoder decoders (BART, T5, ...) "
-            "derive positions from the cache length instead of taking position ids. Remove the `lookahead_*` "
-            "settings to use the usual decoding."
+            f"{type(model).__name__} is an encoder-decoder model whose decoder takes no `decoder_position_ids`. "
+            "A lookahead step places its guesses at chosen positions, and this decoder (like BART's and T5's) "
+            "derives positions from the cache length. Lookahead decoding supports decoder-only models and "
+            "encoder-decoder models whose decoders take position ids (Whisper); remove the `lookahead_*` settings "
+            "to use the usual decoding."
         )
-    attn = model.config._attn_implementation
-    if attn not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"Lookahead decoding needs an attention backend that applies custom 4D masks, but the model uses "
-            f"attn_implementation={attn!r}. Load or switch the model to one of {SUPPORTED_ATTENTION_IMPLEMENTATIONS}, "
-            "e.g. `model.set_attn_implementation('sdpa')`."
-        )
+    check_attention_implementation(model)
     conflicts = {
         "num_beams": (generation_config.num_beams or 1) > 1,
         "prompt_lookup_num_tokens": generation_config.prompt_lookup_num_tokens is not None,

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
-from .cache_commit import attention_groups, layer_types
 from .ngram_pool import TokenTree
-from .step_layout import StepLayout
+from .step_forward import StepForward, max_positions
+from .step_layout import StepInputs, StepLayout
 
 # Step lengths the cost is measured at; lengths in between are interpolated.
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 _CONTEXT = 128
 _REPEATS = 3
-
-
-def cache_argument(model: PreTrainedModel) -> str:
-    """The name under which `model.forward` takes the KV cache (`cache` in recent 5.x, `past_key_values` before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def default_cache_dir() -> Path:
@@ -74,7 +69,12 @@ class StepCostModel:
         return StepCostModel({length: self(batch_size * length) / base for length in self.lengths})
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel, cache_dir: str | os.PathLike | None = None) -> StepCostModel:
+    def for_model(
+        cls,
+        model: PreTrainedModel,
+        cache_dir: str | os.PathLike | None = None,
+        encoder_outputs: Any = None,
+    ) -> StepCostModel:
         """
         The cost table of `model` on its device and dtype: read from the cache directory, or measured (a few dozen
         forward passes) and written there.
@@ -82,6 +82,8 @@ class StepCostModel:
         Args:
             model (`PreTrainedModel`): the model.
             cache_dir (`str` or `os.PathLike`, *optional*): where tables are kept; `default_cache_dir()` if unset.
+            encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input
+                (batch size 1) for the decoder to attend to while it is timed.
         """
         path = Path(cache_dir or default_cache_dir()) / f"step-cost-{_model_key(model)}.json"
         if path.is_file():
@@ -89,7 +91,7 @@ class StepCostModel:
                 return cls({int(k): v for k, v in json.loads(path.read_text())["relative_costs"].items()})
             except (ValueError, KeyError, OSError):
                 pass  # A corrupt or foreign file is measured again and replaced.
-        costs = measure_step_costs(model)
+        costs = measure_step_costs(model, encoder_outputs=encoder_outputs)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"relative_costs": costs}, indent=1))
@@ -114,7 +116,9 @@ def _model_key(model: PreTrainedModel) -> str:
 
 
 @torch.no_grad()
-def measure_step_costs(model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID) -> dict[int, float]:
+def measure_step_costs(
+    model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID, encoder_outputs: Any = None
+) -> dict[int, float]:
     """
     Times one forward pass per step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
     logits (as a lookahead step has), and returns each median divided by the one-token median.
@@ -122,32 +126,38 @@ def measure_step_costs(model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID
     Args:
         model (`PreTrainedModel`): the model.
         grid (`tuple[int]`): the step lengths to measure, 1 first.
+        encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, what the decoder attends to.
     """
-    device, dtype = model.device, model.dtype
+    device = model.device
     vocab = model.config.get_text_config(decoder=True).vocab_size
+    context = _CONTEXT
+    limit = max_positions(model)
+    if limit is not None and context + max(grid) > limit:
+        # A short position table: time the steps that fit after a shorter context, extrapolate the longer ones.
+        grid = tuple(length for length in grid if length <= limit // 2)
+        context = min(context, limit - max(grid))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab, (1, _CONTEXT + max(grid)), generator=generator).to(device)
+    ids = torch.randint(vocab, (1, context + max(grid)), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
-    cache_kwargs = {cache_argument(model): cache}
-    model(input_ids=ids[:, :_CONTEXT], use_cache=True, **cache_kwargs)
-    cache.activate_past_recording()  # sliding layers can then be cropped back after each timed step
-    layout = StepLayout(1, 1, attention_groups(cache, layer_types(model)), dtype, device)
+    if model.config.is_encoder_decoder:
+        cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))
+    forward = StepForward(model, cache, encoder_outputs)
+    positions = torch.arange(context, device=device)[None]
+    forward(StepInputs(ids[:, :context], positions, None, torch.tensor([context - 1], device=device), [None]))
+    # Sliding layers can then be cropped back after each timed step.
+    cache.activate_past_recording()
+    layout = StepLayout.for_model(model, forward.decoder_cache, 1, 1)
 
     def timed(length: int) -> float:
         step = layout.build(
-            cache, [layout.row(ids[0, _CONTEXT : _CONTEXT + length], _CONTEXT + length - 1, None, TokenTree())]
+            forward.decoder_cache,
+            [layout.row(ids[0, context : context + length], context + length - 1, None, TokenTree())],
+            fixed_length=length,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        out = model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            attention_mask=step.attention_mask,
-            use_cache=True,
-            **cache_kwargs,
-        )
-        out.logits.argmax(-1).tolist()
+        forward(step).argmax(-1).tolist()
         elapsed = time.perf_counter() - start
         cache.crop(-length)
         return elapsed

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
+from transformers import PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation
@@ -64,10 +65,10 @@ def generate_with_lookahead(
     **kwargs: Any,
 ):
     """
-    `GenerationMixin.generate`, decoding with lookahead when a `lookahead_window` is set.
+    The model's `generate`, decoding with lookahead when a `lookahead_window` is set.
 
     Args:
-        model (`PreTrainedModel`): any decoder-only model.
+        model (`PreTrainedModel`): a decoder-only model, or an encoder-decoder model whose decoder takes position ids.
         inputs (`torch.Tensor`, *optional*): as for `generate`.
         generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
         default_window (`int` or `"auto"`, *optional*): the window to use when nothing sets `lookahead_window`; `None` leaves
@@ -81,7 +82,7 @@ def generate_with_lookahead(
     if config is None and default_window is not None:
         config = LookaheadConfig(window=default_window)
     if config is None:
-        return GenerationMixin.generate(model, inputs, generation_config, **kwargs)
+        return _class_generate(model)(inputs, generation_config, **kwargs)
     if kwargs.get("custom_generate") is not None:
         raise ValueError(
             "Lookahead decoding cannot be combined with `custom_generate`: both replace the decoding loop. "
@@ -109,9 +110,19 @@ def generate_with_lookahead(
     )
     model._lookahead_step_room = config.max_step_length()
     try:
-        return GenerationMixin.generate(model, inputs, generation_config, custom_generate=decoding, **kwargs)
+        return _class_generate(model)(inputs, generation_config, custom_generate=decoding, **kwargs)
     finally:
         del model._lookahead_step_room
+
+
+def _class_generate(model: PreTrainedModel) -> Callable[..., Any]:
+    """
+    The `generate` of the model's own class, bound to it: Whisper's, for instance, prepares its prompt tokens and
+    logits processors before calling `GenerationMixin.generate`, which then hands over to the lookahead loop.
+    """
+    if isinstance(model, LookaheadGenerationMixin):
+        return super(LookaheadGenerationMixin, model).generate
+    return model.generate
 
 
 def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,14 +15,15 @@ from transformers import (
     StoppingCriteriaList,
 )
 from transformers.cache_utils import DynamicSlidingWindowLayer
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from .cache_commit import CacheCommitter, attention_groups, layer_types
+from .cache_commit import CacheCommitter
 from .configuration_lookahead import AUTO_CONTEXT_DEPTH, AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
-from .cost_model import COST_GRID, StepCostModel, cache_argument
+from .cost_model import COST_GRID, StepCostModel
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
-from .step_layout import RowStep, StepInputs, StepLayout
+from .step_forward import StepForward, max_positions, select_rows
+from .step_layout import RowStep, StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
 from .verification import GreedyVerifier, SamplingVerifier, Verdict
 
@@ -55,6 +55,23 @@ class LookaheadDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     accepted_per_step: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
 
 
+@dataclass
+class LookaheadEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """
+    `GenerateEncoderDecoderOutput` plus what lookahead decoding did, one row per sequence (Whisper's `generate`
+    splits every output field by batch row).
+
+    Args:
+        num_forward_passes (`torch.LongTensor` of shape `(batch_size,)`): decoder forward passes each sequence took
+            part in, the prefill included.
+        accepted_per_step (`torch.LongTensor` of shape `(batch_size, steps)`): tokens each decoding step after the
+            prefill added to each sequence; 0 after a sequence finished.
+    """
+
+    num_forward_passes: torch.LongTensor | None = None
+    accepted_per_step: torch.LongTensor | None = None
+
+
 def generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -70,7 +87,7 @@ def generate(
     lookahead_streamer: BaseStreamer | None = None,
     lookahead_assistant_model: PreTrainedModel | None = None,
     **model_kwargs: Any,
-) -> LookaheadDecoderOnlyOutput | torch.LongTensor:
+) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
     r"""
     Generates with lookahead decoding: each step runs one forward pass that both advances a Jacobi window of guesses
     and verifies candidate n-grams from a pool, then accepts every verified token plus one. Greedy output is the
@@ -82,9 +99,11 @@ def generate(
     fields of the same names.
 
     Args:
-        model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks.
-        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the prompts, left-padded as
-            `generate` expects (the padding is read from `model_kwargs["attention_mask"]`).
+        model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks, or an
+            encoder-decoder model whose decoder also takes position ids (Whisper).
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the prompts (for encoder-decoder
+            models, the decoder's), left-padded as `generate` expects (the padding is read from
+            `model_kwargs["attention_mask"]`, for encoder-decoder models `model_kwargs["decoder_attention_mask"]`).
         logits_processor (`LogitsProcessorList`): processors applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
@@ -100,8 +119,8 @@ def generate(
 
     Returns:
         `torch.LongTensor` of shape `(batch_size, length)` (finished rows padded with `pad_token_id`, as plain
-        `generate` pads them), or `LookaheadDecoderOnlyOutput` if
-        `generation_config.return_dict_in_generate=True`.
+        `generate` pads them), or `LookaheadDecoderOnlyOutput` (`LookaheadEncoderDecoderOutput` for encoder-decoder
+        models) if `generation_config.return_dict_in_generate=True`.
     """
     overrides = {
         "lookahead_window": lookahead_window,
@@ -123,9 +142,13 @@ def generate(
             "there is no per-step token column to stream: generate the rows one at a time to stream them."
         )
     cache = model_kwargs.get("cache")
-    committer = CacheCommitter(cache, config.cache_commit)
+    if model.config.is_encoder_decoder:
+        forward = StepForward(model, cache, model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask"))
+    else:
+        forward = StepForward(model, cache)
+    committer = CacheCommitter(forward.decoder_cache, config.cache_commit)
     decoder = LookaheadDecoder(
-        model, config, logits_processor, stopping_criteria, generation_config, committer, input_ids.shape[0]
+        model, config, logits_processor, stopping_criteria, generation_config, committer, forward, input_ids.shape[0]
     )
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
@@ -185,7 +208,8 @@ class LookaheadDecoder:
         logits_processor (`LogitsProcessorList`): applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
-        committer (`CacheCommitter`): keeps the accepted tokens in the cache.
+        committer (`CacheCommitter`): keeps the accepted tokens in the (self-attention) cache.
+        forward (`StepForward`): runs a step through the model.
         batch_size (`int`): rows of the batch (after `num_return_sequences`).
     """
 
@@ -197,6 +221,7 @@ class LookaheadDecoder:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         committer: CacheCommitter,
+        forward: StepForward,
         batch_size: int = 1,
     ):
         self.model = model
@@ -205,17 +230,19 @@ class LookaheadDecoder:
         self.stopping_criteria = stopping_criteria
         self.generation_config = generation_config
         self.committer = committer
+        self.forward = forward
         if config.adaptive:
-            self.cost = StepCostModel.for_model(model)
+            # The cost table is per model, not per batch: an encoder-decoder model is timed over one input.
+            first_input = None
+            if forward.is_encoder_decoder:
+                first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
+            self.cost = StepCostModel.for_model(model, encoder_outputs=first_input)
             self.batch_cost = self.cost.for_batch(batch_size)
             self.window_size = choose_window(self.batch_cost, config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
-        forward_parameters = inspect.signature(model.forward).parameters
-        self.cache_argument = cache_argument(model)
-        self.slices_logits = "logits_to_keep" in forward_parameters
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
-        self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.max_positions = max_positions(model)
         return_dict = generation_config.return_dict_in_generate
         self.keep_scores = return_dict and generation_config.output_scores
         self.keep_logits = return_dict and generation_config.output_logits
@@ -250,11 +277,12 @@ class LookaheadDecoder:
         input_ids: torch.LongTensor,
         model_kwargs: dict[str, Any],
         streamer: BaseStreamer | None,
-    ) -> LookaheadDecoderOnlyOutput | torch.LongTensor:
+    ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
         model, config, cache = self.model, self.config, self.committer.cache
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        attention_mask = model_kwargs.get("attention_mask")
+        is_encoder_decoder = self.forward.is_encoder_decoder
+        attention_mask = model_kwargs.get("decoder_attention_mask" if is_encoder_decoder else "attention_mask")
 
         outputs = model._prefill(input_ids, self.generation_config, model_kwargs)
         forward_passes = 1
@@ -283,13 +311,7 @@ class LookaheadDecoder:
 
         self.committer.start()
         self._choose_forward(model_kwargs)
-        layout = StepLayout(
-            self.window_size,
-            config.levels,
-            attention_groups(cache, layer_types(model)),
-            model.dtype,
-            input_ids.device,
-        )
+        layout = StepLayout.for_model(model, cache, self.window_size, config.levels)
         active = [sequence for sequence in sequences if not sequence.done]
         if active and len(active) < len(sequences):
             slot_valid = self._keep_running(active, sequences, slot_valid)
@@ -298,7 +320,7 @@ class LookaheadDecoder:
             step = layout.build(cache, [plan[2] for plan in plans], slot_valid, self.fixed_length)
 
             started = time.perf_counter()
-            logits = self._forward(step)
+            logits = self.forward(step)
             forward_passes += 1
             kept_rows = []
             for b, (sequence, plan) in enumerate(zip(active, plans)):
@@ -330,12 +352,23 @@ class LookaheadDecoder:
         output_ids = self._output_ids(sequences)
         if not self.generation_config.return_dict_in_generate:
             return output_ids
-        return LookaheadDecoderOnlyOutput(
-            sequences=output_ids,
-            scores=self._per_token(sequences, "scores") if self.keep_scores else None,
-            logits=self._per_token(sequences, "raw_logits") if self.keep_logits else None,
+        outputs = {
+            "sequences": output_ids,
+            "scores": self._per_token(sequences, "scores") if self.keep_scores else None,
+            "logits": self._per_token(sequences, "raw_logits") if self.keep_logits else None,
             # With several sequences the cache holds unused slots and only the rows still running at the end.
-            cache=cache if slot_valid is None else None,
+            "cache": self.forward.cache if slot_valid is None else None,
+        }
+        if is_encoder_decoder:
+            steps = max(len(sequence.accepted) for sequence in sequences)
+            accepted = [sequence.accepted + [0] * (steps - len(sequence.accepted)) for sequence in sequences]
+            return LookaheadEncoderDecoderOutput(
+                **outputs,
+                num_forward_passes=torch.tensor([1 + len(sequence.accepted) for sequence in sequences]),
+                accepted_per_step=torch.tensor(accepted, dtype=torch.long).reshape(len(sequences), steps),
+            )
+        return LookaheadDecoderOnlyOutput(
+            **outputs,
             num_forward_passes=forward_passes,
             accepted_per_step=(
                 tuple(sequences[0].accepted)
@@ -515,11 +548,10 @@ class LookaheadDecoder:
         function sees two shapes only, one token and `fixed_length` tokens.
         """
         model, generation_config = self.model, self.generation_config
-        self.forward_call = model.__call__
         self.fixed_length = None
         if not self.committer.is_static or not model._valid_auto_compile_criteria(model_kwargs, generation_config):
             return
-        self.forward_call = model.get_compiled_call(generation_config.compile_config)
+        self.forward.compile(generation_config.compile_config)
         longest = self.config.max_step_length(self.window_size)
         if not self.config.adaptive:
             self.fixed_length = longest
@@ -536,24 +568,8 @@ class LookaheadDecoder:
     ) -> torch.BoolTensor:
         """Drops finished sequences from the cache, so the next steps compute only the running ones."""
         keep = torch.tensor([batch.index(sequence) for sequence in running], device=slot_valid.device)
-        self.committer.cache.batch_select_indices(keep)
+        self.forward.select(keep)
         return slot_valid[keep]
-
-    def _forward(self, step: StepInputs) -> torch.Tensor:
-        """Runs the step's forward pass; returns the logits of `step.logits_rows`, shape `(batch, rows, vocab)`."""
-        kwargs = {self.cache_argument: self.committer.cache}
-        if self.slices_logits:
-            kwargs["logits_to_keep"] = step.logits_rows
-        outputs = self.forward_call(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            attention_mask=step.attention_mask,
-            use_cache=True,
-            return_dict=True,
-            **kwargs,
-        )
-        logits = outputs.logits
-        return logits if self.slices_logits else logits[:, step.logits_rows]
 
     def _append(self, sequence: SequenceState, verdict: Verdict) -> int:
         """Appends tokens one at a time, as plain decoding would, until the sequence stops; returns how many."""

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from transformers import Cache
 
 from .ngram_pool import TokenTree
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import PreTrainedModel
+
+# How the masks reach the attention layers: additive float masks for eager and sdpa (a bool 4D mask is read
+# differently by the eager backend), `BlockMask`s for flex attention (its kernel only takes a float mask through a
+# `score_mod` indexing a captured tensor, which the CPU build of PyTorch 2.13 miscompiles once shapes vary).
+MASK_FORMATS = {"eager": "additive", "sdpa": "additive", "flex_attention": "block"}
 
 
 @dataclass
@@ -44,8 +55,8 @@ class StepInputs:
     Args:
         input_ids (`torch.LongTensor` of shape `(batch, T)`): each row's `RowStep` tokens, padded to T.
         position_ids (`torch.LongTensor` of shape `(batch, T)`).
-        attention_mask (`torch.Tensor`, `dict[str, torch.Tensor]` or `None`): additive float masks of shape
-            `(batch, 1, T, kv_length)`, one per attention layer type when the model mixes full and sliding layers;
+        attention_mask (`torch.Tensor`, `BlockMask`, a dict of them, or `None`): additive float masks of shape
+            `(batch, 1, T, kv_length)` (flex attention: `BlockMask`s of that shape), one per attention layer type when the model mixes full and sliding layers;
             `None` for a single-token step of one unpadded sequence, which needs only the causal mask the model
             builds.
         logits_rows (`torch.LongTensor`): the step rows whose logits the forward pass computes (for every sequence).
@@ -55,7 +66,7 @@ class StepInputs:
 
     input_ids: torch.LongTensor
     position_ids: torch.LongTensor
-    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
+    attention_mask: torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask] | None
     logits_rows: torch.LongTensor
     row_logits: list[torch.LongTensor]
 
@@ -78,6 +89,34 @@ class AttentionGroup:
     sliding_window: int | None
 
 
+def layer_types(model) -> list[str] | None:
+    """`config.layer_types` of the model's decoder: the keys its forward expects in a dict of masks."""
+    return getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+
+
+def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, AttentionGroup] | AttentionGroup:
+    """
+    Groups the cache layers by the attention mask they need.
+
+    Args:
+        cache (`Cache`): the model's cache, its layers already created.
+        layer_types (`list[str]` or `None`): `config.layer_types`, the names models key their mask dicts by.
+
+    Returns:
+        A single `AttentionGroup` when every layer takes the same mask, otherwise a dict keyed by layer type.
+    """
+    groups: dict[str, AttentionGroup] = {}
+    for idx, layer in enumerate(cache.layers):
+        name = layer_types[idx] if layer_types is not None else "full_attention"
+        if name not in groups:
+            # A static sliding layer that can be rolled back never holds more than its window: no key is too far.
+            window = getattr(layer, "sliding_window", None) if layer.is_sliding else None
+            groups[name] = AttentionGroup(idx, window)
+    if len({group.sliding_window for group in groups.values()}) == 1:
+        return next(iter(groups.values()))
+    return groups
+
+
 class StepLayout:
     """
     Lays out one step as a single sequence (see `docs/source/en/lookahead_decoding.md` for a drawing):
@@ -97,6 +136,8 @@ class StepLayout:
             then passed as a dict keyed by layer type), or a single group when all layers share one mask.
         dtype (`torch.dtype`): the dtype of the additive masks (the model's).
         device (`torch.device`): where the step tensors live.
+        mask_format (`str`): `"additive"` (float masks, 0 or the dtype's minimum) or `"block"` (flex attention
+            `BlockMask`s).
     """
 
     def __init__(
@@ -106,12 +147,18 @@ class StepLayout:
         groups: dict[str, AttentionGroup] | AttentionGroup,
         dtype: torch.dtype,
         device: torch.device,
+        mask_format: str = "additive",
     ):
+        if mask_format not in MASK_FORMATS.values():
+            raise ValueError(
+                f"`mask_format` must be one of {sorted(set(MASK_FORMATS.values()))}, got {mask_format!r}."
+            )
         self.window = window
         self.levels = levels
         self.groups = groups
         self.device = device
         self.dtype = dtype
+        self.mask_format = mask_format
         self.min_value = torch.finfo(dtype).min
 
         # The window's structure is the same every step: build it once.
@@ -125,6 +172,21 @@ class StepLayout:
         self.window_block = sees_first_level | sees_own_column
         self.top_rows = torch.arange((levels - 1) * window, levels * window, device=device)
         self._last_row = torch.tensor([0], device=device)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
+        """
+        The layout for `model`'s attention layers: one mask per layer type in the format its backend reads.
+
+        Args:
+            model (`PreTrainedModel`): the model, its attention backend among `MASK_FORMATS`.
+            cache (`Cache`): the decoder's self-attention cache, its layers already created.
+            window (`int`): W, columns of the lookahead window.
+            levels (`int`): N - 1, levels of the window.
+        """
+        groups = attention_groups(cache, layer_types(model))
+        mask_format = MASK_FORMATS[model.config._attn_implementation]
+        return cls(window, levels, groups, model.dtype, model.device, mask_format)
 
     def row(
         self,
@@ -261,7 +323,7 @@ class StepLayout:
         visible: torch.Tensor,
         positions: torch.Tensor,
         slot_valid: torch.BoolTensor | None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | BlockMask:
         batch, length = positions.shape
         kv_length, kv_offset = cache.get_mask_sizes(length, group.layer_idx)
         # Dynamic layers return the cache followed by the step; static layers return their whole buffer, the step
@@ -279,4 +341,23 @@ class StepLayout:
             kv_positions = torch.cat([cached, positions], dim=1)
             too_far = positions[:, :, None] - kv_positions[:, None, :] >= group.sliding_window
             mask[:, :, : past + length].masked_fill_(too_far, self.min_value)
+        if self.mask_format == "block":
+            return block_mask(mask == 0)
         return mask[:, None]
+
+
+def block_mask(allowed: torch.BoolTensor) -> BlockMask:
+    """
+    The flex attention `BlockMask` letting each query see the keys `allowed` marks.
+
+    Args:
+        allowed (`torch.BoolTensor` of shape `(batch, query_length, kv_length)`).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, length, kv_length = allowed.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[b, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, batch, None, length, kv_length, device=allowed.device)
