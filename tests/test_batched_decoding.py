@@ -186,10 +186,28 @@ class BatchedExactnessTest(unittest.TestCase):
         out = model.generate(**inputs, max_new_tokens=30, do_sample=False, lookahead_window=4)
         self.assertTrue(torch.equal(out, expected))
 
-    def test_sliding_layers_beyond_the_window_are_refused(self):
-        model = enable_lookahead(tiny_model("mistral_window8"))
-        with self.assertRaisesRegex(ValueError, "sliding-window layers \\(window 8\\)"):
-            model.generate(**left_padded(mixed_prompts(2)), max_new_tokens=20, lookahead_window=4)
+    @parameterized.expand([("mistral_window8",), ("qwen2_hybrid",), ("gemma3",)])
+    def test_sliding_layers_beyond_the_window(self, name):
+        """Window 8, prompts of 2 to 30 tokens, 40 new tokens: every row outgrows its window several times."""
+        model = enable_lookahead(tiny_model(name))
+        prompts = [random_prompt(2, seed=9)] + mixed_prompts(4)
+        inputs = left_padded(prompts)
+        expected = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+        for window, commit in ((4, "gather"), ("auto", "gather"), (4, "refeed")):
+            with self.subTest(window=window, commit=commit):
+                out = model.generate(
+                    **inputs,
+                    max_new_tokens=40,
+                    do_sample=False,
+                    lookahead_window=window,
+                    lookahead_cache_commit=commit,
+                    return_dict_in_generate=True,
+                )
+                self.assertTrue(torch.equal(out.sequences, expected))
+                self.assertTrue(any(len(set(step)) > 1 for step in zip(*out.accepted_per_step)), "rows must differ")
+        for row, prompt in enumerate(prompts):
+            alone = model.generate(prompt, max_new_tokens=40, do_sample=False)
+            self.assertTrue(torch.equal(alone[0], expected[row, -alone.shape[1] :]))
 
 
 class BatchedSamplingTest(unittest.TestCase):

@@ -30,6 +30,8 @@ class CacheCommitter:
     they hold, `crop` moves their length back and the next step overwrites what was dropped; nothing is reallocated.
 
     In a batch every sequence keeps its own tokens; the cache grows by the most any sequence kept (see `commit`).
+    Dynamic sliding-window layers are kept compact instead: each sequence's tokens are the last ones of its row, as
+    with left padding, so the `sliding_window - 1` slots the layer keeps are each sequence's latest tokens.
 
     Args:
         cache (`Cache`): a cache whose layers are among `ROLLBACK_LAYERS`.
@@ -98,22 +100,33 @@ class CacheCommitter:
             `int`: A, the slots added to every sequence.
         """
         added = max(len(rows) for rows in kept_rows)
-        if any(rows != list(range(len(rows))) for rows in kept_rows):
-            batch = len(kept_rows)
-            # Unused slots copy the row's last kept entry: any finite value does, they are masked.
-            index = [rows + rows[-1:] * (added - len(rows)) for rows in kept_rows]
-            first_layer = next(layer for layer in self.cache.layers if layer.is_initialized)
-            source = torch.tensor(index, device=first_layer.keys.device)
-            for layer in self.cache.layers:
-                if not layer.is_initialized:
-                    continue
-                start = self._step_start(layer, step_length)
-                heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
-                gather_index = source[:, None, :, None].expand(batch, heads, added, head_dim)
-                keys = torch.gather(layer.keys[:, :, start:], 2, gather_index)
-                values = torch.gather(layer.values[:, :, start:], 2, gather_index)
-                layer.keys[:, :, start : start + added] = keys
-                layer.values[:, :, start : start + added] = values
+        in_place = all(rows == list(range(len(rows))) for rows in kept_rows)
+        uneven = any(len(rows) != added for rows in kept_rows)
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            start = self._step_start(layer, step_length)
+            if isinstance(layer, DynamicSlidingWindowLayer) and (uneven or not in_place):
+                # The layer's rows, right-aligned: filler, the row as it was, then what it kept.
+                index = [
+                    [0] * (added - len(rows)) + list(range(start)) + [start + row for row in rows]
+                    for rows in kept_rows
+                ]
+                _gather_in_place(layer, index, 0)
+            elif not in_place:
+                # Unused slots copy the row's last kept entry: any finite value does, they are masked.
+                _gather_in_place(layer, [rows + rows[-1:] * (added - len(rows)) for rows in kept_rows], start)
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
         self.cache.crop(-(step_length - added))
         return added
+
+
+def _gather_in_place(layer, index: list[list[int]], start: int) -> None:
+    """Overwrites, in every row b, the layer's entries from `start` on with its entries `start + index[b][j]`."""
+    batch, width = len(index), len(index[0])
+    heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
+    source = torch.tensor(index, device=layer.keys.device)[:, None, :, None].expand(batch, heads, width, head_dim)
+    keys = torch.gather(layer.keys[:, :, start:], 2, source)
+    values = torch.gather(layer.values[:, :, start:], 2, source)
+    layer.keys[:, :, start : start + width] = keys
+    layer.values[:, :, start : start + width] = values

@@ -14,7 +14,6 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
     StoppingCriteriaList,
 )
-from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .cache_commit import CacheCommitter
@@ -427,7 +426,6 @@ class LookaheadDecoder:
         """
         if input_ids.shape[0] == 1 and attention_mask is None:
             return None
-        self._check_sliding_room(input_ids)
         if self.committer.is_static and input_ids.shape[0] > 1:
             raise ValueError(
                 "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
@@ -437,32 +435,6 @@ class LookaheadDecoder:
         if attention_mask is None:
             return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         return attention_mask.bool()
-
-    def _check_sliding_room(self, input_ids: torch.LongTensor) -> None:
-        """
-        With padding or a batch, cache slots are not positions: a sliding layer that drops its oldest slots could
-        drop a token some sequence still needs. Such a layer is exact while it drops nothing, i.e. while the cache
-        stays shorter than its window; refuse calls that could outgrow it.
-        """
-        # Static sliding layers are only accepted while they cannot outgrow their window (see `CacheCommitter`).
-        windows = [
-            layer.sliding_window
-            for layer in self.committer.cache.layers
-            if isinstance(layer, DynamicSlidingWindowLayer)
-        ]
-        if not windows:
-            return
-        batch, prompt_length = input_ids.shape
-        # Each step adds at most the tokens some sequence accepted, so all steps add at most batch x new tokens.
-        new_tokens = self.generation_config.max_length - prompt_length
-        needed = prompt_length + batch * new_tokens + self.config.max_step_length(self.window_size)
-        if needed >= min(windows):
-            raise ValueError(
-                f"This model has sliding-window layers (window {min(windows)}); with a batch of {batch} rows or a "
-                f"padded prompt, lookahead decoding needs prompt length ({prompt_length}) + batch size x "
-                f"max_new_tokens ({batch} x {new_tokens}) + the longest step ({self.config.max_step_length(self.window_size)}) to stay "
-                "below the window. Use a smaller batch, fewer `max_new_tokens`, or one unpadded prompt per call."
-            )
 
     def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[tuple[bool, TokenTree, RowStep]]:
         """

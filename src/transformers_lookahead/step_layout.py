@@ -262,8 +262,9 @@ class StepLayout:
             rows (`list[RowStep]`): one step per sequence of the batch, in batch order.
             slot_valid (`torch.BoolTensor` of shape `(batch, cache_length)`, *optional*): which cache slots hold a
                 token of each sequence (left padding and the slots a sequence did not accept are False). `None`
-                when every slot is valid. Sliding layers are then assumed to still hold every slot (the decoder
-                checks that), so they take the full-attention mask.
+                when every slot is valid. It describes full-attention layers: sliding layers hold each sequence's
+                tokens contiguously at the end of its row (see `CacheCommitter`), and their masks follow from the
+                step's positions.
             fixed_length (`int`, *optional*): pad every multi-token step to this length and compute the logits of
                 every row, so that all of them have one shape (a compiled forward pass then compiles once).
 
@@ -332,15 +333,21 @@ class StepLayout:
         mask = torch.zeros(batch, length, kv_length, dtype=self.dtype, device=self.device)
         mask[:, :, past : past + length].masked_fill_(~visible, self.min_value)
         mask[:, :, past + length :] = self.min_value
-        if slot_valid is not None:
-            if past:
-                mask[:, :, :past].masked_fill_(~slot_valid[:, None, -past:], self.min_value)
-        elif group.sliding_window is not None:
-            # One unpadded sequence: a cached token's position is its index in the cache.
-            cached = torch.arange(kv_offset, kv_offset + past, device=self.device).expand(batch, -1)
+        if group.sliding_window is not None:
+            if slot_valid is None:
+                # One unpadded sequence: a cached token's position is its index in the cache.
+                cached = torch.arange(kv_offset, kv_offset + past, device=self.device).expand(batch, -1)
+            else:
+                # Sliding layers hold each sequence's latest tokens at the end of its row (`CacheCommitter`), and a
+                # step starts with the sequence's first token not in the cache: slot j holds position
+                # `first - past + j`, negative for padding.
+                cached = positions[:, :1] - past + torch.arange(past, device=self.device)
+                mask[:, :, :past].masked_fill_((cached < 0)[:, None, :], self.min_value)
             kv_positions = torch.cat([cached, positions], dim=1)
             too_far = positions[:, :, None] - kv_positions[:, None, :] >= group.sliding_window
             mask[:, :, : past + length].masked_fill_(too_far, self.min_value)
+        elif slot_valid is not None and past:
+            mask[:, :, :past].masked_fill_(~slot_valid[:, None, -past:], self.min_value)
         if self.mask_format == "block":
             return block_mask(mask == 0)
         return mask[:, None]
