@@ -25,7 +25,7 @@ def render() -> str:
         "What the test suite checks for each tiny model family (random weights, fp32) and cache: greedy lookahead",
         '(`lookahead_window=4` and `"auto"`, 30 new tokens) token-identical to plain greedy `generate` with the same',
         "cache, or refused with an error matching the text shown, before any forward pass. Batches and padding are",
-        "covered by `tests/test_batched_decoding.py`.",
+        "covered by `tests/test_batched_decoding.py`, encoder-decoder batches by `tests/test_encoder_decoder.py`.",
         "",
         "| family | architecture | " + " | ".join(f"`{cache}` cache" for cache in CACHES) + " |",
         "|---|---|" + "---|" * len(CACHES),
@@ -37,7 +37,7 @@ def render() -> str:
         architecture = TINY_CONFIGS[name][1] if name in TINY_CONFIGS else ENCODER_DECODERS[name]
         cells = [_cell(results[cache]) if cache in results else "-" for cache in CACHES]
         lines.append(f"| {name} | {architecture} | " + " | ".join(cells) + " |")
-    lines += ["", "| attention backend | tiny Llama |", "|---|---|"]
+    lines += ["", "| attention backend | tiny Llama, on the CPU |", "|---|---|"]
     lines += [f"| `{backend}` | {_cell(expected)} |" for backend, expected in BACKENDS]
     return "\n".join(lines) + "\n"
 
