@@ -186,7 +186,7 @@ class BatchedExactnessTest(unittest.TestCase):
         out = model.generate(**inputs, max_new_tokens=30, do_sample=False, lookahead_window=4)
         self.assertTrue(torch.equal(out, expected))
 
-    @parameterized.expand([("mistral_window8",), ("qwen2_hybrid",), ("gemma3",)])
+    @parameterized.expand([("mistral_window8",), ("qwen2_hybrid",), ("gemma2",), ("gemma3",), ("cohere2",)])
     def test_sliding_layers_beyond_the_window(self, name):
         """Window 8, prompts of 2 to 30 tokens, 40 new tokens: every row outgrows its window several times."""
         model = enable_lookahead(tiny_model(name))

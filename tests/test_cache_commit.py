@@ -71,6 +71,44 @@ class CacheCommitTest(unittest.TestCase):
         )
 
 
+class BatchedCommitTest(unittest.TestCase):
+    """Rows keeping different numbers of tokens: full layers get holes, sliding layers stay right-aligned."""
+
+    def _cache(self, held: int, step: int):
+        config = tiny_model("gemma3").config  # layers 0 and 2 slide (window 8), layer 1 attends fully
+        cache = DynamicCache(config=config)
+        for layer_idx in range(len(cache.layers)):
+            ids = torch.arange(held, dtype=torch.float32).expand(2, 1, held)[..., None]
+            cache.update(ids, ids.clone(), layer_idx)
+        cache.activate_past_recording()
+        for layer_idx in range(len(cache.layers)):
+            ids = (100 + torch.arange(step, dtype=torch.float32)).expand(2, 1, step)[..., None]
+            cache.update(ids, ids.clone(), layer_idx)
+        return cache
+
+    @staticmethod
+    def _entries(layer) -> list[list[int]]:
+        return layer.keys[:, 0, :, 0].int().tolist()
+
+    def test_sliding_rows_right_aligned_full_rows_with_holes(self):
+        cache = self._cache(held=5, step=4)
+        self.assertEqual(type(cache.layers[0]).__name__, "DynamicSlidingWindowLayer")
+        added = CacheCommitter(cache).commit(4, [[0, 2], [0]])
+        self.assertEqual(added, 2)
+        sliding, full = self._entries(cache.layers[0]), self._entries(cache.layers[1])
+        self.assertEqual(sliding[0], [0, 1, 2, 3, 4, 100, 102])
+        self.assertEqual(sliding[1][1:], [0, 1, 2, 3, 4, 100])  # slot 0: filler
+        self.assertEqual(full[0], [0, 1, 2, 3, 4, 100, 102])
+        self.assertEqual(full[1][:6], [0, 1, 2, 3, 4, 100])  # slot 6: unused, masked from now on
+
+    def test_sliding_layer_keeps_each_rows_latest_tokens(self):
+        cache = self._cache(held=7, step=5)  # the sliding layer is full: 7 = window - 1 entries held
+        CacheCommitter(cache).commit(5, [[0, 1, 3], [0]])
+        sliding = self._entries(cache.layers[0])
+        self.assertEqual(sliding[0], [3, 4, 5, 6, 100, 101, 103])
+        self.assertEqual(sliding[1], [1, 2, 3, 4, 5, 6, 100])  # its filler fell out of the window
+
+
 class StaticCacheTest(unittest.TestCase):
     """Static caches are written in place: a step lands after the held tokens and `crop` only moves the length."""
 

@@ -19,7 +19,7 @@ from .utils import TINY_CONFIGS, random_prompt, tiny_model
 EXACT = "exact"
 CACHES = ("dynamic", "static", "offloaded", "quantized")
 # Models whose sliding-window layers (window 8) are shorter than the generation below.
-SHORT_SLIDING_WINDOW = ("mistral_window8", "qwen2_hybrid", "gemma3")
+SHORT_SLIDING_WINDOW = ("mistral_window8", "qwen2_hybrid", "gemma2", "gemma3", "cohere2")
 STATIC_SLIDING_REFUSAL = "cannot be rolled back once the generation outgrows its window"
 QUANTIZED_REFUSAL = "cache_implementation='quantized' cannot be used"
 OFFLOADED_REFUSAL = "cache_implementation='offloaded' cannot be used"
@@ -92,7 +92,7 @@ _ENCODER_DECODER_CONFIGS = {
 }
 
 
-def registry_model(name: str, attn_implementation: str = "sdpa"):
+def registry_model(name: str, attn_implementation: str | None = None):
     """The tiny model of family `name` with lookahead enabled, and the inputs its `generate` takes."""
     if name not in ENCODER_DECODERS:
         return enable_lookahead(tiny_model(name, attn_implementation)), random_prompt(20, seed=6)
@@ -100,7 +100,7 @@ def registry_model(name: str, attn_implementation: str = "sdpa"):
     config_class = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
     config = config_class(**_ENCODER_DECODER_CONFIGS[name], decoder_start_token_id=1)
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)._from_config(config, attn_implementation=attn_implementation)
+    model = getattr(transformers, architecture)._from_config(config, attn_implementation=attn_implementation or "sdpa")
     model.generation_config.eos_token_id = None  # 30 tokens every time
     if name == "whisper":
         features = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, generator=_seed(0))

@@ -41,7 +41,7 @@ class StepLayoutTest(unittest.TestCase):
         top = [3, 4]  # the window's top level
         self.assertEqual(step.logits_rows.tolist(), [0] + top + list(range(5, 5 + len(tree))))
 
-    @parameterized.expand([("llama",), ("gpt2",), ("gemma3",), ("mistral_window8",)])
+    @parameterized.expand([("llama",), ("gpt2",), ("gemma2",), ("gemma3",), ("cohere2",), ("mistral_window8",)])
     def test_every_row_computes_what_its_context_computes(self, name):
         """Each step row must produce the logits of a plain forward over exactly the tokens it is meant to see."""
         model = tiny_model(name, "eager")

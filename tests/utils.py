@@ -47,6 +47,29 @@ TINY_CONFIGS = {
             "tie_word_embeddings": False,
         },
     ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            **_DECODER,
+            "head_dim": 8,
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "tie_word_embeddings": False,
+        },
+    ),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        {
+            **_DECODER,
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "tie_word_embeddings": False,
+        },
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", _DECODER),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", _DECODER),
     "gpt2": (
@@ -82,8 +105,17 @@ TINY_CONFIGS = {
 }
 
 
-def tiny_model(name: str, attn_implementation: str = "sdpa", seed: int = 0):
-    """A tiny fp32 random model of architecture `name` (a key of `TINY_CONFIGS`), in eval mode."""
+# Families without an sdpa path in Transformers (Gemma 2 caps its attention logits).
+EAGER_ONLY = ("gemma2",)
+
+
+def tiny_model(name: str, attn_implementation: str | None = None, seed: int = 0):
+    """
+    A tiny fp32 random model of architecture `name` (a key of `TINY_CONFIGS`), in eval mode; `sdpa` attention unless
+    told otherwise or the family has none.
+    """
+    if attn_implementation is None:
+        attn_implementation = "eager" if name in EAGER_ONLY else "sdpa"
     config_class, model_class, kwargs = TINY_CONFIGS[name]
     config = getattr(transformers, config_class)(**_COMMON, **kwargs)
     torch.manual_seed(seed)
