@@ -1,8 +1,11 @@
 import unittest
+from types import SimpleNamespace
 
 import torch
 
 from transformers_lookahead.benchmark import (
+    SPEECH,
+    _decoded_tokens,
     _generated_lengths,
     format_batched_table,
     format_sampling_table,
@@ -48,6 +51,20 @@ class BenchmarkSummaryTest(unittest.TestCase):
         table = format_table(list(rows.values()))
         self.assertIn("lookahead_auto", table)
         self.assertIn("2.00x", table)
+
+    def test_speech_prompts_are_their_own_group(self):
+        runs = [_run("greedy", "s1", SPEECH, 2.0, 100), _run("lookahead_auto", "s1", SPEECH, 4.0, 100)]
+        rows = {(r["method"], r["category"]): r for r in summarize({"runs": runs})}
+        self.assertEqual(set(rows), {("greedy", SPEECH), ("lookahead_auto", SPEECH)})
+        self.assertAlmostEqual(rows[("lookahead_auto", SPEECH)]["speedup"], 0.5)
+
+    def test_decoded_tokens(self):
+        text = SimpleNamespace(whisper=False, max_new_tokens=10)
+        self.assertEqual(_decoded_tokens(torch.zeros(1, 12), 5, text), 7)
+        speech = SimpleNamespace(whisper=True, max_new_tokens=10)
+        # Whisper strips the EOS it decoded when the transcript ended before the limit.
+        self.assertEqual(_decoded_tokens(torch.zeros(1, 6), 0, speech), 7)
+        self.assertEqual(_decoded_tokens(torch.zeros(1, 10), 0, speech), 10)
 
 
 class SamplingAndBatchedSummaryTest(unittest.TestCase):

@@ -1,18 +1,35 @@
-"""SmolLM2-135M-Instruct on real MT-Bench and HumanEval prompts (slow: run with RUN_SLOW=1, as `make test` does)."""
+"""
+Real models (slow: run with RUN_SLOW=1, as `make test` does): SmolLM2-135M-Instruct on MT-Bench and HumanEval
+prompts, Whisper tiny.en on synthetic speech.
+"""
 
 import unittest
+from pathlib import Path
 
 import torch
 from parameterized import parameterized
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TextIteratorStreamer,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+)
 from transformers.testing_utils import slow
 
 from transformers_lookahead import enable_lookahead
-from transformers_lookahead.assets import chat_input_ids, smollm2_path, tuning_prompts
+from transformers_lookahead.assets import (
+    chat_input_ids,
+    read_wav,
+    smollm2_path,
+    tuning_prompts,
+    whisper_tiny_en_path,
+)
 
 NEW_TOKENS = 64
 PROMPTS_PER_DATASET = 10
 LARGE_STEP_PROMPTS = 5
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @slow
@@ -133,3 +150,37 @@ class SmolLM2LookaheadTest(unittest.TestCase):
         plain = pipe(chats, do_sample=False, max_new_tokens=24, batch_size=2)
         fast = pipe(chats, do_sample=False, max_new_tokens=24, batch_size=2, lookahead_window="auto")
         self.assertEqual(fast, plain)
+
+
+@slow
+class WhisperTinyLookaheadTest(unittest.TestCase):
+    """Whisper tiny.en (converted from a CTranslate2 checkpoint) transcribing speech made by `espeak-ng`."""
+
+    @classmethod
+    def setUpClass(cls):
+        path = whisper_tiny_en_path()
+        cls.tokenizer = AutoTokenizer.from_pretrained(path)
+        cls.model = enable_lookahead(WhisperForConditionalGeneration.from_pretrained(path).eval())
+        audio = read_wav(FIXTURES / "speech_16k.wav")  # "The cat sat on the mat." x2, "The dog sat on the log." x2
+        extractor = WhisperFeatureExtractor.from_pretrained(path)
+        cls.features = extractor([audio, audio[: len(audio) // 2]], sampling_rate=16000, return_tensors="pt")[
+            "input_features"
+        ]
+        cls.greedy = cls.model.generate(cls.features, do_sample=False)
+
+    def test_transcript(self):
+        """The conversion is right: the half clip's transcript is exactly the spoken text."""
+        text = self.tokenizer.decode(self.greedy[1], skip_special_tokens=True)
+        self.assertEqual(text.strip(), "The cat sat on the mat. The cat sat on the mat.")
+
+    @parameterized.expand([(4,), ("auto",)])
+    def test_identical_to_greedy(self, window):
+        self.assertTrue(torch.equal(self.model.generate(self.features, lookahead_window=window), self.greedy))
+        calls = []
+        hook = self.model.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            alone = self.model.generate(self.features[:1], lookahead_window=window)
+        finally:
+            hook.remove()
+        self.assertTrue(torch.equal(alone, self.greedy[:1, : alone.shape[1]]))
+        self.assertLess(len(calls), alone.shape[1] - 1, "the repeated sentences must let lookahead accept n-grams")

