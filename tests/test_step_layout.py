@@ -44,11 +44,7 @@ class StepLayoutTest(unittest.TestCase):
     @parameterized.expand([("llama",), ("gpt2",), ("gemma2",), ("gemma3",), ("cohere2",), ("mistral_window8",)])
     def test_every_row_computes_what_its_context_computes(self, name):
         """Each step row must produce the logits of a plain forward over exactly the tokens it is meant to see."""
-        model = tiny_model(name, "eager")
-        prompt = random_prompt(20, seed=3)[0]
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+        model, prompt, cache = _prefilled(name)
         cache.activate_past_recording()
         layout = StepLayout(3, 2, attention_groups(cache, layer_types(model)), torch.float32, torch.device("cpu"))
         window = torch.tensor([10, 11, 12, 13, 14, 15])
@@ -74,6 +70,16 @@ class StepLayoutTest(unittest.TestCase):
             torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 
+def _prefilled(name: str):
+    """A tiny eager model, a 20-token prompt and the cache of all but its last token."""
+    model = tiny_model(name, "eager")
+    prompt = random_prompt(20, seed=3)[0]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+    return model, prompt, cache
+
+
 def _step_visibility(step):
     mask = step.attention_mask
     if isinstance(mask, dict):
@@ -89,11 +95,7 @@ class FlexAttentionMaskTest(unittest.TestCase):
     def test_block_mask_attends_like_the_additive_mask(self, name):
         from torch.nn.attention.flex_attention import flex_attention
 
-        model = tiny_model(name, "eager")
-        prompt = random_prompt(20, seed=3)[0]
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+        model, prompt, cache = _prefilled(name)
         groups = attention_groups(cache, layer_types(model))
         window = torch.tensor([10, 11, 12, 13, 14, 15])
         tree = pool_tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
