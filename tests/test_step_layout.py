@@ -142,7 +142,9 @@ prompt = random_prompt(20, seed=6)
 expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
 model.set_attn_implementation("flex_attention")
 with mock.patch("transformers_lookahead.configuration_lookahead.check_attention_implementation"):
-    output = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window=4, return_dict_in_generate=True)
+    output = model.generate(
+        prompt, max_new_tokens=30, do_sample=False, lookahead_window=4, return_dict_in_generate=True
+    )
 print("EXACT" if torch.equal(output.sequences, expected) else "DIFFERENT", max(output.accepted_per_step))
 """
         root = Path(__file__).parents[1]

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
 
-# The fields lookahead decoding reads from `GenerationConfig` (or from `generate(**kwargs)`), in the order users set them.
+# The fields lookahead decoding reads from `GenerationConfig` (or from `generate(**kwargs)`), in the order users
+# set them.
 LOOKAHEAD_FIELDS = (
     "lookahead_window",
     "lookahead_ngram",

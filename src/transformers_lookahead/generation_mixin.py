@@ -71,8 +71,8 @@ def generate_with_lookahead(
         model (`PreTrainedModel`): a decoder-only model, or an encoder-decoder model whose decoder takes position ids.
         inputs (`torch.Tensor`, *optional*): as for `generate`.
         generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
-        default_window (`int` or `"auto"`, *optional*): the window to use when nothing sets `lookahead_window`; `None` leaves
-            such calls to plain `generate`.
+        default_window (`int` or `"auto"`, *optional*): the window to use when nothing sets `lookahead_window`;
+            `None` leaves such calls to plain `generate`.
         kwargs: the other `generate` arguments, `lookahead_*` ones included.
     """
     overrides = {field: kwargs.pop(field) for field in LOOKAHEAD_FIELDS if field in kwargs}

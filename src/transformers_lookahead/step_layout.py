@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 # How the masks reach the attention layers: additive float masks for eager and sdpa (a bool 4D mask is read
-# differently by the eager backend), `BlockMask`s for flex attention (its kernel only takes a float mask through a
-# `score_mod` indexing a captured tensor, which the CPU build of PyTorch 2.13 miscompiles once shapes vary).
+# differently by the eager backend), `BlockMask`s for flex attention (a float mask would reach its kernel as a
+# `score_mod` applied to every score; a `BlockMask` also lets it skip the blocks no query sees).
 MASK_FORMATS = {"eager": "additive", "sdpa": "additive", "flex_attention": "block"}
 
 
@@ -56,9 +56,9 @@ class StepInputs:
         input_ids (`torch.LongTensor` of shape `(batch, T)`): each row's `RowStep` tokens, padded to T.
         position_ids (`torch.LongTensor` of shape `(batch, T)`).
         attention_mask (`torch.Tensor`, `BlockMask`, a dict of them, or `None`): additive float masks of shape
-            `(batch, 1, T, kv_length)` (flex attention: `BlockMask`s of that shape), one per attention layer type when the model mixes full and sliding layers;
-            `None` for a single-token step of one unpadded sequence, which needs only the causal mask the model
-            builds.
+            `(batch, 1, T, kv_length)` (flex attention: `BlockMask`s of that shape), one per attention layer type
+            when the model mixes full and sliding layers; `None` for a single-token step of one unpadded sequence,
+            which needs only the causal mask the model builds.
         logits_rows (`torch.LongTensor`): the step rows whose logits the forward pass computes (for every sequence).
         row_logits (`list[torch.LongTensor]`): per sequence, where its `RowStep.logits_rows` are among
             `logits_rows`.
