@@ -8,11 +8,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from transformers_lookahead import LookaheadDecoderOnlyOutput, enable_lookahead
 
-from .utils import TINY_CONFIGS, random_prompt, tiny_model
+from .utils import EAGER_ONLY, TINY_CONFIGS, random_prompt, tiny_model
 
 # (W, N, G): the smallest step, lade's settings, a window without a pool, large values, and the adaptive policy
 STEP_SHAPES = [(1, 2, 0), (4, 3, 4), (7, 5, 7), (3, 4, 0), (15, 5, 15), ("auto", 5, None)]
-ARCHITECTURES = [(name, attn) for name in TINY_CONFIGS for attn in ("eager", "sdpa")]
+ARCHITECTURES = [
+    (name, attn) for name in TINY_CONFIGS for attn in ("eager", "sdpa") if attn == "eager" or name not in EAGER_ONLY
+]
 
 
 def _lookahead(model, prompt, **kwargs):
