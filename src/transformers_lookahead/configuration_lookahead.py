@@ -236,9 +236,15 @@ def validate_lookahead_setup(
     }
     for name, conflicting in conflicts.items():
         if conflicting:
+            hint = ""
+            if name == "num_beams":
+                hint = (
+                    ' (the "automatic-speech-recognition" pipeline asks for 5 beams unless told otherwise: pass '
+                    '`generate_kwargs={"num_beams": 1}`)'
+                )
             raise ValueError(
                 f"Lookahead decoding cannot be combined with `{name}`: both decide how tokens are proposed. "
-                f"Use either lookahead (`lookahead_window`) or `{name}`, not both."
+                f"Use either lookahead (`lookahead_window`) or `{name}`, not both{hint}."
             )
     if not generation_config.use_cache:
         raise ValueError(

@@ -81,8 +81,10 @@ def generate_with_lookahead(
     )
     if config is None and default_window is not None:
         config = LookaheadConfig(window=default_window)
+    # Inputs travel positionally only when given: pipelines pass them by the model's own name (`input_features`).
+    inputs_argument = () if inputs is None else (inputs,)
     if config is None:
-        return _class_generate(model)(inputs, generation_config, **kwargs)
+        return _class_generate(model)(*inputs_argument, generation_config=generation_config, **kwargs)
     if kwargs.get("custom_generate") is not None:
         raise ValueError(
             "Lookahead decoding cannot be combined with `custom_generate`: both replace the decoding loop. "
@@ -110,7 +112,9 @@ def generate_with_lookahead(
     )
     model._lookahead_step_room = config.max_step_length()
     try:
-        return _class_generate(model)(inputs, generation_config, custom_generate=decoding, **kwargs)
+        return _class_generate(model)(
+            *inputs_argument, generation_config=generation_config, custom_generate=decoding, **kwargs
+        )
     finally:
         del model._lookahead_step_room
 
