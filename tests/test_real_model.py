@@ -6,6 +6,7 @@ prompts, Whisper tiny.en on synthetic speech.
 import unittest
 from pathlib import Path
 
+import numpy
 import torch
 from parameterized import parameterized
 from transformers import (
@@ -182,6 +183,29 @@ class WhisperTinyLookaheadTest(unittest.TestCase):
             hook.remove()
         self.assertTrue(torch.equal(alone, self.greedy[:1, : alone.shape[1]]))
         self.assertLess(len(calls), alone.shape[1] - 1, "the repeated sentences must let lookahead accept n-grams")
+
+    def test_long_form_with_timestamps(self):
+        """46 s of audio: Whisper's own loop over 30 s segments, each decoded by lookahead, timestamps predicted."""
+        extractor = WhisperFeatureExtractor.from_pretrained(whisper_tiny_en_path())
+        audio = numpy.concatenate([read_wav(FIXTURES / "speech_16k.wav")] * 6)
+        inputs = extractor(
+            audio,
+            sampling_rate=16000,
+            truncation=False,
+            padding="longest",
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        expected = self.model.generate(**inputs, do_sample=False, return_timestamps=True)
+        calls = []
+        hook = self.model.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            output = self.model.generate(**inputs, do_sample=False, return_timestamps=True, lookahead_window="auto")
+        finally:
+            hook.remove()
+        self.assertTrue(torch.equal(output, expected))
+        self.assertGreater(expected.shape[1], 400)
+        self.assertLess(len(calls), expected.shape[1] * 0.8, "six repeats of the text leave much to accept")
 
     def test_speech_recognition_pipeline(self):
         path = whisper_tiny_en_path()

@@ -230,6 +230,8 @@ def _whisper_from_ctranslate2(weights: dict, settings: dict, tokenizer):
     generation.is_multilingual = False
     generation.max_initial_timestamp_index = 50
     generation.max_length = config.max_target_positions
+    # Loading drops the Whisper-specific fields of a config flagged as derived from the model config.
+    generation._from_model_config = False
     return model.eval()
 
 
