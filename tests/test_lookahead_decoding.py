@@ -1,4 +1,5 @@
 import unittest
+from unittest import mock
 
 import torch
 from parameterized import parameterized
@@ -6,7 +7,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-from transformers_lookahead import LookaheadDecoderOnlyOutput, enable_lookahead
+from transformers_lookahead import AdaptiveStepPolicy, LookaheadDecoderOnlyOutput, enable_lookahead
+from transformers_lookahead.lookahead_decoding import ESTIMATES
 
 from .utils import EAGER_ONLY, TINY_CONFIGS, random_prompt, tiny_model
 
@@ -268,3 +270,39 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
         model = enable_lookahead(T5ForConditionalGeneration(config).eval())
         with self.assertRaisesRegex(ValueError, "encoder-decoder model"):
             model.generate(self.prompt, max_new_tokens=5, lookahead_window=4)
+
+
+class EstimateCarryOverTest(unittest.TestCase):
+    """Greedy `"auto"` calls start from what the previous greedy call on the model learnt; sampled calls do not."""
+
+    def _starts(self):
+        return mock.patch.object(
+            AdaptiveStepPolicy, "start_from", autospec=True, side_effect=AdaptiveStepPolicy.start_from
+        )
+
+    def test_greedy_calls_carry_their_estimates(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(24, seed=1)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        with self._starts() as start_from:
+            first = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
+            self.assertEqual(start_from.call_count, 0, "the first call starts from the priors")
+            second = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
+            self.assertEqual(start_from.call_count, 1)
+        self.assertTrue(torch.equal(first, expected))
+        self.assertTrue(torch.equal(second, expected))
+        carried = start_from.call_args.args[1]
+        self.assertNotEqual(carried.match_rate, AdaptiveStepPolicy(None, 1, 4, context_depth=8).estimates().match_rate)
+
+    def test_sampled_calls_neither_read_nor_write(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(24, seed=1)
+        with self._starts() as start_from:
+            torch.manual_seed(3)
+            sampled = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
+            self.assertEqual(len(ESTIMATES._by_model.get(model, {})), 0)
+            model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
+            torch.manual_seed(3)
+            again = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
+        self.assertEqual(start_from.call_count, 0)
+        self.assertTrue(torch.equal(again, sampled), "a seed must reproduce a sampled call whatever came before")

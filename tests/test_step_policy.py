@@ -3,13 +3,20 @@ import unittest
 
 from transformers_lookahead import NGramPool
 from transformers_lookahead.cost_model import StepCostModel, measure_step_costs
-from transformers_lookahead.step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
+from transformers_lookahead.step_policy import (
+    AdaptiveStepPolicy,
+    EstimateMemory,
+    PolicyEstimates,
+    StaticStepPolicy,
+    choose_window,
+)
 from transformers_lookahead.verification import Verdict
 
 from .utils import tiny_model
 
 FLAT = StepCostModel({1: 1.0, 64: 1.0})
 STEEP = StepCostModel({1: 1.0, 2: 1.5, 8: 2.0, 64: 8.0})
+MODEST = StepCostModel({1: 1.0, 2: 1.1, 8: 1.5, 64: 4.0})
 
 
 def _tree():
@@ -115,3 +122,43 @@ class StepPolicyTest(unittest.TestCase):
         self.assertAlmostEqual(probability[one], 2 * probability[four])
         two = tree.child(one, 2)
         self.assertLess(probability[two], probability[one])
+
+
+class EstimateMemoryTest(unittest.TestCase):
+    def _learnt_policy(self) -> AdaptiveStepPolicy:
+        policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, context_depth=3)
+        for _ in range(10):
+            policy.plan(_tree(), True, 1)
+            policy.observe(_tree(), Verdict([9], [], [], []), True, NGramPool(2, 3), 0)
+        return policy
+
+    def test_a_new_policy_starts_from_learnt_estimates(self):
+        learnt = self._learnt_policy()
+        fresh = AdaptiveStepPolicy(MODEST, window_length=8, levels=2, context_depth=3)
+        # The priors verify the likeliest pooled candidate...
+        self.assertGreater(len(fresh.plan(_tree(), False, 1)[1]), 0)
+        self.assertNotEqual(fresh.estimates(), learnt.estimates())
+        fresh.start_from(learnt.estimates())
+        self.assertEqual(fresh.estimates(), learnt.estimates())
+        # ...what was learnt says they never match.
+        self.assertEqual(len(fresh.plan(_tree(), False, 1)[1]), 0)
+
+    def test_mean(self):
+        a = PolicyEstimates((0.2, 0.4), (1.0,), 2.0, 4.0)
+        b = PolicyEstimates((0.4, 0.0), (0.0,), 0.0, 2.0)
+        self.assertEqual(PolicyEstimates.mean([a, b]), PolicyEstimates((0.30000000000000004, 0.2), (0.5,), 1.0, 3.0))
+
+    def test_memory_is_per_model_and_shape(self):
+        memory = EstimateMemory()
+        first, second = tiny_model("llama"), tiny_model("llama")
+        policy = self._learnt_policy()
+        memory.remember(first, policy.shape, policy.estimates())
+        self.assertEqual(memory.recall(first, policy.shape), policy.estimates())
+        self.assertIsNone(memory.recall(second, policy.shape))
+        other_shape = AdaptiveStepPolicy(STEEP, window_length=4, levels=2, context_depth=3).shape
+        self.assertIsNone(memory.recall(first, other_shape))
+        del first
+        import gc
+
+        gc.collect()
+        self.assertEqual(len(memory._by_model), 0, "the memory must not keep a model alive")

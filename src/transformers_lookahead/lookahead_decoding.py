@@ -23,7 +23,7 @@ from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import RowStep, StepLayout
-from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, choose_window
+from .step_policy import AdaptiveStepPolicy, EstimateMemory, PolicyEstimates, StaticStepPolicy, choose_window
 from .verification import GreedyVerifier, SamplingVerifier, Verdict
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 # Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
 DEFAULT_WINDOW = "auto"
+# What greedy `"auto"` calls learnt about acceptance, per model: the next call starts from it.
+ESTIMATES = EstimateMemory()
 # With a compiled forward pass and `"auto"`, the fixed length of multi-token steps costs at most this many one-token
 # steps. Measured on SmolLM2 on a 2-core CPU: 2.0 (16 tokens) lost on open-ended prompts, see the guide.
 COMPILED_STEP_COST = 1.7
@@ -248,6 +250,8 @@ class LookaheadDecoder:
         # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
         # criteria fired keeps generating until every sequence's have.
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        # Greedy adaptive calls carry what they learnt to the next call (see `EstimateMemory`).
+        self.remembers = config.adaptive and not generation_config.do_sample
 
     def _equip(self, sequence: SequenceState) -> None:
         """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
@@ -263,6 +267,10 @@ class LookaheadDecoder:
                 config.levels,
                 context_depth=AUTO_CONTEXT_DEPTH,
             )
+            if self.remembers:
+                learnt = ESTIMATES.recall(self.model, sequence.policy.shape)
+                if learnt is not None:
+                    sequence.policy.start_from(learnt)
             # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
             sequence.context = ContextIndex() if config.pool_from_prompt else None
         else:
@@ -348,6 +356,9 @@ class LookaheadDecoder:
 
         if streamer is not None:
             streamer.end()
+        if self.remembers:
+            estimates = PolicyEstimates.mean([sequence.policy.estimates() for sequence in sequences])
+            ESTIMATES.remember(model, sequences[0].policy.shape, estimates)
         output_ids = self._output_ids(sequences)
         if not self.generation_config.return_dict_in_generate:
             return output_ids

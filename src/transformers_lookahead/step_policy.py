@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 from .cost_model import StepCostModel
 from .ngram_pool import NGramPool, TokenTree
 from .verification import Verdict
@@ -21,6 +24,60 @@ def choose_window(cost: StepCostModel, levels: int, max_window: int, budget: flo
     base = 1 + levels
     fitting = [w for w in range(1, max_window + 1) if cost(base + w * levels) <= budget * cost(base)]
     return max(fitting, default=1)
+
+
+@dataclass(frozen=True)
+class PolicyEstimates:
+    """
+    What an `AdaptiveStepPolicy` has learnt about acceptance, to start another call from.
+
+    Args:
+        match_rate (`tuple[float]`): per depth, how often a pooled candidate matched once its parent had.
+        context_rate (`tuple[float]`): per depth, the same for the continuation copied from the context.
+        window_credit (`float`): decayed sum of the tokens only the window's n-grams predicted.
+        window_steps (`float`): decayed count of the steps that ran the window.
+    """
+
+    match_rate: tuple[float, ...]
+    context_rate: tuple[float, ...]
+    window_credit: float
+    window_steps: float
+
+    @staticmethod
+    def mean(estimates: list[PolicyEstimates]) -> PolicyEstimates:
+        """The element-wise mean of several sequences' estimates (all of one shape)."""
+        count = len(estimates)
+
+        def average(values) -> tuple[float, ...]:
+            return tuple(sum(column) / count for column in zip(*values))
+
+        return PolicyEstimates(
+            average(e.match_rate for e in estimates),
+            average(e.context_rate for e in estimates),
+            sum(e.window_credit for e in estimates) / count,
+            sum(e.window_steps for e in estimates) / count,
+        )
+
+
+class EstimateMemory:
+    """
+    The estimates the last greedy call on each model ended with, so the next call starts from them instead of the
+    priors. Short generations (a transcript, a chat turn) otherwise spend most of their steps relearning that, say,
+    copied continuations rarely match. Entries are keyed by model (weakly: they go with the model) and by the
+    policy's shape. Sampled calls are not served: the candidates decide how many random numbers verification draws,
+    so a seeded sampled call must not depend on the calls before it.
+    """
+
+    def __init__(self):
+        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def recall(self, model, shape: tuple) -> PolicyEstimates | None:
+        """The estimates stored for `model` and a policy of this `shape`, if any."""
+        return self._by_model.get(model, {}).get(shape)
+
+    def remember(self, model, shape: tuple, estimates: PolicyEstimates) -> None:
+        """Stores `estimates` for the next call on `model` with a policy of this `shape`."""
+        self._by_model.setdefault(model, {})[shape] = estimates
 
 
 class StaticStepPolicy:
@@ -116,6 +173,23 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     def step_cost(self, length: int) -> float:
         """The expected cost of a step of `length` tokens, in one-token steps."""
         return 1.0 + (self.cost(length) - 1.0) * self._excess_scale
+
+    @property
+    def shape(self) -> tuple:
+        """What estimates of another policy must match to be reused here (see `EstimateMemory`)."""
+        return (self.window_length, len(self.match_rate), len(self.context_rate))
+
+    def estimates(self) -> PolicyEstimates:
+        """What this policy has learnt so far."""
+        return PolicyEstimates(
+            tuple(self.match_rate), tuple(self.context_rate), self._window_credit, self._window_steps
+        )
+
+    def start_from(self, estimates: PolicyEstimates) -> None:
+        """Replaces the priors with estimates learnt earlier (by a policy of the same `shape`)."""
+        self.match_rate = list(estimates.match_rate)
+        self.context_rate = list(estimates.context_rate)
+        self._window_credit, self._window_steps = estimates.window_credit, estimates.window_steps
 
     def observe_duration(self, length: int, seconds: float) -> None:
         """
