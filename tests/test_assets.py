@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformers_lookahead.assets import SAMPLING_RATE, read_ctranslate2, read_wav
+from utils.assets import SAMPLING_RATE, read_ctranslate2, read_wav
 
 
 def _string(text: str) -> bytes:

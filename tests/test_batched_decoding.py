@@ -7,8 +7,8 @@ from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from transformers_lookahead import enable_lookahead
-from transformers_lookahead.distribution_check import homogeneity_p_value, token_counts
 
+from .distribution_check import homogeneity_p_value, token_counts
 from .test_verification import P_VALUE
 from .utils import SMALL_VOCABULARY, random_prompt, small_vocabulary_model, tiny_model
 

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import torch
 
-from transformers_lookahead.benchmark import (
+from utils.benchmark import (
     SPEECH,
     _decoded_tokens,
     _generated_lengths,

@@ -4,9 +4,10 @@ import torch
 from parameterized import parameterized
 from transformers import DynamicCache
 
-from transformers_lookahead import CacheCommitter, NGramPool, StepLayout
+from transformers_lookahead.cache_commit import CacheCommitter
+from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_forward import cache_argument
-from transformers_lookahead.step_layout import AttentionGroup, attention_groups, layer_types
+from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
 
 from .utils import random_prompt, tiny_model
 

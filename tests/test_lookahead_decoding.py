@@ -7,8 +7,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-from transformers_lookahead import AdaptiveStepPolicy, LookaheadDecoderOnlyOutput, enable_lookahead
-from transformers_lookahead.lookahead_decoding import ESTIMATES
+from transformers_lookahead import LookaheadDecoderOnlyOutput, enable_lookahead
+from transformers_lookahead.step_policy import AdaptiveStepPolicy
 
 from .utils import EAGER_ONLY, TINY_CONFIGS, random_prompt, tiny_model
 
@@ -300,7 +300,7 @@ class EstimateCarryOverTest(unittest.TestCase):
         with self._starts() as start_from:
             torch.manual_seed(3)
             sampled = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
-            self.assertEqual(len(ESTIMATES._by_model.get(model, {})), 0)
+            self.assertEqual(model.lookahead_state._estimates, {}, "a sampled call leaves nothing for the next")
             model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
             torch.manual_seed(3)
             again = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")

@@ -2,7 +2,7 @@ import unittest
 
 import torch
 
-from transformers_lookahead import LookaheadWindow
+from transformers_lookahead.lookahead_window import LookaheadWindow
 
 
 class LookaheadWindowTest(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from transformers_lookahead import ContextIndex, NGramPool, TokenTree
+from transformers_lookahead.ngram_pool import ContextIndex, NGramPool, TokenTree
 
 
 class NGramPoolTest(unittest.TestCase):

@@ -20,7 +20,7 @@ from transformers import (
 from transformers.testing_utils import slow
 
 from transformers_lookahead import enable_lookahead
-from transformers_lookahead.assets import (
+from utils.assets import (
     chat_input_ids,
     read_wav,
     smollm2_path,

@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
-from transformers_lookahead import StepForward, StepLayout
-from transformers_lookahead.step_forward import max_positions, select_rows, self_attention_cache
+from transformers_lookahead.step_forward import StepForward, max_positions, select_rows, self_attention_cache
+from transformers_lookahead.step_layout import StepLayout
 
 from .test_model_registry import registry_model
 from .utils import pool_tree, random_prompt, tiny_model

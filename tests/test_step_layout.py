@@ -7,8 +7,7 @@ import torch
 from parameterized import parameterized
 from transformers import DynamicCache
 
-from transformers_lookahead import StepLayout
-from transformers_lookahead.step_layout import AttentionGroup, attention_groups, layer_types
+from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
 
 from .utils import pool_tree, random_prompt, tiny_model
 

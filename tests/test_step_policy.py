@@ -1,11 +1,14 @@
+import json
+import os
 import tempfile
 import unittest
+from pathlib import Path
+from unittest import mock
 
-from transformers_lookahead import NGramPool
-from transformers_lookahead.cost_model import StepCostModel, measure_step_costs
+from transformers_lookahead.cost_model import COST_DIR_VARIABLE, StepCostModel, default_cost_dir, measure_step_costs
+from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_policy import (
     AdaptiveStepPolicy,
-    EstimateMemory,
     PolicyEstimates,
     StaticStepPolicy,
     choose_window,
@@ -41,15 +44,51 @@ class StepCostModelTest(unittest.TestCase):
         self.assertAlmostEqual(batch(9), STEEP(36) / STEEP(4))
         self.assertIs(STEEP.for_batch(1), STEEP)
 
-    def test_measure_and_cache(self):
+    def test_measure_and_keep(self):
         model = tiny_model("llama")
         costs = measure_step_costs(model, grid=(1, 2, 4))
         self.assertEqual(sorted(costs), [1, 2, 4])
         self.assertEqual(costs[1], 1.0)
-        with tempfile.TemporaryDirectory() as tmp:
-            first = StepCostModel.for_model(model, cache_dir=tmp)
-            second = StepCostModel.for_model(model, cache_dir=tmp)  # read back, not measured again
-        self.assertEqual(first.costs, second.costs)
+        with tempfile.TemporaryDirectory() as tmp, self._counting() as measure:
+            StepCostModel.for_model(model, tmp)
+            self.assertEqual(measure.call_count, 1)
+            StepCostModel.for_model(model, tmp)
+            self.assertEqual(measure.call_count, 1, "a kept table is read back, not measured again")
+            (table,) = Path(tmp).glob("step-cost-*.json")
+            table.write_text("{not json")
+            StepCostModel.for_model(model, tmp)
+            self.assertEqual(measure.call_count, 2, "a corrupt table is measured again")
+            self.assertIn("relative_costs", json.loads(table.read_text()), "and replaced")
+            StepCostModel.for_model(model, None)
+            self.assertEqual(measure.call_count, 3, "without a directory every request measures")
+
+    def test_unwritable_directory_is_harmless(self):
+        model = tiny_model("llama")
+        with tempfile.TemporaryDirectory() as tmp, self._counting() as measure:
+            blocker = Path(tmp) / "a_file"
+            blocker.write_text("")
+            # A directory below a regular file can be neither created nor written, even by root.
+            with self.assertLogs("transformers_lookahead.cost_model", level="WARNING") as logs:
+                costs = StepCostModel.for_model(model, blocker / "tables")
+            self.assertEqual(costs(1), 1.0)
+            self.assertEqual(measure.call_count, 1)
+            self.assertIn(COST_DIR_VARIABLE, logs.output[0])
+
+    def test_default_directory(self):
+        with mock.patch.dict(os.environ, {COST_DIR_VARIABLE: "/somewhere/tables"}):
+            self.assertEqual(default_cost_dir(), Path("/somewhere/tables"))
+        with mock.patch.dict(os.environ, {COST_DIR_VARIABLE: "off"}):
+            self.assertIsNone(default_cost_dir())
+        environment = {k: v for k, v in os.environ.items() if k != COST_DIR_VARIABLE}
+        with mock.patch.dict(os.environ, {**environment, "HF_HOME": "/hf"}, clear=True):
+            self.assertEqual(default_cost_dir(), Path("/hf/lookahead/step_costs"))
+
+    @staticmethod
+    def _counting():
+        return mock.patch(
+            "transformers_lookahead.cost_model.measure_step_costs",
+            side_effect=lambda model, encoder_outputs=None: measure_step_costs(model, (1, 2, 4)),
+        )
 
 
 class StepPolicyTest(unittest.TestCase):
@@ -85,7 +124,7 @@ class StepPolicyTest(unittest.TestCase):
         for _ in range(30):
             policy.plan(tree, False, 1)
             # Nothing verified (no nodes matched), but the accepted token equals a pooled candidate.
-            policy.observe(tree.subtree([]), Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
+            policy.observe(tree, Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
         self.assertGreater(policy.match_rate[1], 0.9)
         _, planned = policy.plan(tree, False, 1)
         self.assertIn(1, planned.tokens)
@@ -124,7 +163,7 @@ class StepPolicyTest(unittest.TestCase):
         self.assertLess(probability[two], probability[one])
 
 
-class EstimateMemoryTest(unittest.TestCase):
+class PolicyEstimatesTest(unittest.TestCase):
     def _learnt_policy(self) -> AdaptiveStepPolicy:
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, context_depth=3)
         for _ in range(10):
@@ -144,21 +183,7 @@ class EstimateMemoryTest(unittest.TestCase):
         self.assertEqual(len(fresh.plan(_tree(), False, 1)[1]), 0)
 
     def test_mean(self):
-        a = PolicyEstimates((0.2, 0.4), (1.0,), 2.0, 4.0)
-        b = PolicyEstimates((0.4, 0.0), (0.0,), 0.0, 2.0)
-        self.assertEqual(PolicyEstimates.mean([a, b]), PolicyEstimates((0.30000000000000004, 0.2), (0.5,), 1.0, 3.0))
-
-    def test_memory_is_per_model_and_shape(self):
-        memory = EstimateMemory()
-        first, second = tiny_model("llama"), tiny_model("llama")
-        policy = self._learnt_policy()
-        memory.remember(first, policy.shape, policy.estimates())
-        self.assertEqual(memory.recall(first, policy.shape), policy.estimates())
-        self.assertIsNone(memory.recall(second, policy.shape))
-        other_shape = AdaptiveStepPolicy(STEEP, window_length=4, levels=2, context_depth=3).shape
-        self.assertIsNone(memory.recall(first, other_shape))
-        del first
-        import gc
-
-        gc.collect()
-        self.assertEqual(len(memory._by_model), 0, "the memory must not keep a model alive")
+        # Binary fractions, so the expected means are exact.
+        a = PolicyEstimates((0.25, 0.5), (1.0,), 2.0, 4.0)
+        b = PolicyEstimates((0.75, 0.0), (0.0,), 0.0, 2.0)
+        self.assertEqual(PolicyEstimates.mean([a, b]), PolicyEstimates((0.5, 0.25), (0.5,), 1.0, 3.0))

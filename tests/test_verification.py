@@ -4,10 +4,10 @@ import torch
 from parameterized import parameterized
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from transformers_lookahead import GreedyVerifier, enable_lookahead
-from transformers_lookahead.distribution_check import chi_square_p_value, homogeneity_p_value
-from transformers_lookahead.verification import SamplingVerifier
+from transformers_lookahead import enable_lookahead
+from transformers_lookahead.verification import GreedyVerifier, SamplingVerifier
 
+from .distribution_check import chi_square_p_value, homogeneity_p_value
 from .utils import SMALL_VOCABULARY, pool_tree, small_vocabulary_model
 
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm

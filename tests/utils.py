@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from transformers_lookahead import NGramPool, TokenTree
+from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 
 VOCAB = 96
 # A large init spread makes tiny random models produce varied text; the default 0.02 repeats one token and hides

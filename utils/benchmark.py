@@ -1,6 +1,772 @@
-"""`make bench`: greedy vs prompt lookup vs lookahead decoding on SmolLM2-135M-Instruct. See --help."""
+"""
+Side-by-side benchmark of greedy, prompt lookup and lookahead decoding on SmolLM2-135M-Instruct with MT-Bench and
+HumanEval prompts (or Whisper tiny.en transcribing MT-Bench questions read aloud, `--whisper`). Methods run
+interleaved per prompt, so machine noise hits them alike.
 
-from transformers_lookahead.benchmark import main
+    python utils/benchmark.py --dataset all --num-prompts 16 --repeats 3
+    python utils/benchmark.py --whisper --num-prompts 8 --repeats 3  # needs espeak-ng
+    python utils/benchmark.py --cost-curve
+    python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
+    python utils/benchmark.py --batched --num-prompts 4 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Run as a script (`python utils/benchmark.py`), the repository root is not on the path: the benchmark shares the
+# asset readers with the slow tests and the chi-square helpers with the sampling tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tests.distribution_check import homogeneity_p_value, token_counts  # noqa: E402
+from transformers_lookahead import enable_lookahead  # noqa: E402
+from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
+from utils.assets import (  # noqa: E402
+    SAMPLING_RATE,
+    chat_input_ids,
+    held_out_prompts,
+    smollm2_path,
+    spoken_audio,
+    tuning_prompts,
+    whisper_tiny_en_path,
+)
+
+# name -> generate() keyword arguments
+METHODS = {
+    "greedy": {},
+    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+    "lookahead_15_5_15": {"lookahead_window": 15, "lookahead_ngram": 5, "lookahead_guess": 15},
+    "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
+    "lookahead_auto": {"lookahead_window": "auto"},
+}
+DEFAULT_METHODS = list(METHODS)
+
+
+def _compile_everywhere():
+    """The compile config plain `generate` honours on any device (it compiles only on accelerators by default)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+# A static cache sized once for every prompt, so that compiled forwards keep one cache shape across calls.
+_STATIC = {"cache_implementation": "static", "max_cache_len": 1024}
+METHODS.update(
+    {
+        "greedy_static": _STATIC,
+        "greedy_static_compiled": {**_STATIC, "compile_config": _compile_everywhere()},
+        "lookahead_auto_static": {**_STATIC, "lookahead_window": "auto"},
+        "lookahead_auto_static_compiled": {
+            **_STATIC,
+            "lookahead_window": "auto",
+            "compile_config": _compile_everywhere(),
+        },
+    }
+)
+SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
+# The category of every `--whisper` prompt.
+SPEECH = "speech (whisper)"
+SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
+
+
+@dataclass
+class Run:
+    """One generation of one prompt by one method."""
+
+    prompt_id: str
+    category: str
+    method: str
+    repeat: int
+    new_tokens: int
+    seconds: float
+    forward_seconds: float
+    forward_passes: int
+    identical_to_greedy: bool
+
+
+class ForwardTimer:
+    """Counts the model's forward passes and their time, through module hooks (for every method alike)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.reset()
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._stop)
+
+    def reset(self):
+        self.calls, self.seconds, self._began = 0, 0.0, 0.0
+
+    def _sync(self):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _start(self, module, args):
+        self._sync()
+        self._began = time.perf_counter()
+
+    def _stop(self, module, args, output):
+        self._sync()
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._began
+
+
+def _environment(args, device) -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": cpu,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "command": args.command,
+    }
+
+
+def _load(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = args.model or smollm2_path(args.cache_dir)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device).eval()
+    return enable_lookahead(model), tokenizer, device
+
+
+def _dataset_items(args, dataset: str) -> list[tuple[str, str, str]]:
+    items = (tuning_prompts if args.split == "tuning" else held_out_prompts)(dataset, args.cache_dir)
+    if dataset == "mt_bench":
+        # Round-robin over categories, so a small --num-prompts still covers every category.
+        by_category = defaultdict(list)
+        for item in items:
+            by_category[item[1]].append(item)
+        items = [item for group in zip(*by_category.values()) for item in group]
+    return items[: args.num_prompts]
+
+
+def _prompts(args, tokenizer, device):
+    """`(prompt_id, category, input_ids, prompt_length)` per prompt."""
+    datasets = ["mt_bench", "humaneval"] if args.dataset == "all" else [args.dataset]
+    prompts = []
+    for dataset in datasets:
+        for prompt_id, category, text in _dataset_items(args, dataset):
+            ids = chat_input_ids(tokenizer, text, dataset).to(device)
+            prompts.append((prompt_id, category, ids, ids.shape[1]))
+    return prompts
+
+
+def _load_whisper(args):
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    path = whisper_tiny_en_path(args.cache_dir)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    return enable_lookahead(model.to(device).eval()), WhisperFeatureExtractor.from_pretrained(path), device
+
+
+def _spoken_prompts(args, extractor, model, device):
+    """MT-Bench questions read aloud by espeak-ng, as `(prompt_id, SPEECH, input_features, prompt_length)`."""
+    prompts = []
+    for prompt_id, _, text in _dataset_items(args, "mt_bench"):
+        audio = spoken_audio(text, args.cache_dir)
+        features = extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt")["input_features"]
+        prompts.append((prompt_id, SPEECH, features.to(device, model.dtype), 0))
+    return prompts
+
+
+def run_benchmark(args) -> dict:
+    from tqdm.auto import tqdm
+
+    if args.whisper:
+        model, extractor, device = _load_whisper(args)
+        prompts = _spoken_prompts(args, extractor, model, device)
+    else:
+        model, tokenizer, device = _load(args)
+        prompts = _prompts(args, tokenizer, device)
+    methods = {name: METHODS[name] for name in args.methods}
+    timer = ForwardTimer(model)
+    runs: list[Run] = []
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    # Warm-up: kernels, allocator, the auto policy's cost table, and compilation for the compiled methods.
+    warmup_seconds = {}
+    for name, kwargs in {"greedy": {}, **methods}.items():
+        start = time.perf_counter()
+        model.generate(prompts[0][2], **common, **kwargs)
+        warmup_seconds[name] = time.perf_counter() - start
+    progress = tqdm(total=len(prompts) * args.repeats * len(methods), desc="benchmark", unit="gen")
+    for prompt_id, category, ids, prompt_length in prompts:
+        reference = None
+        for repeat in range(args.repeats):
+            for name, kwargs in methods.items():
+                timer.reset()
+                start = time.perf_counter()
+                out = model.generate(ids, **common, **kwargs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                seconds = time.perf_counter() - start
+                if reference is None:
+                    reference = model.generate(ids, **common) if name != "greedy" else out
+                runs.append(
+                    Run(
+                        prompt_id=prompt_id,
+                        category=category,
+                        method=name,
+                        repeat=repeat,
+                        new_tokens=_decoded_tokens(out, prompt_length, args),
+                        seconds=seconds,
+                        forward_seconds=timer.seconds,
+                        forward_passes=timer.calls,
+                        identical_to_greedy=bool(torch.equal(out, reference)),
+                    )
+                )
+                progress.update()
+    progress.close()
+    sweep = (
+        _window_sweep(model, prompts[: args.sweep_prompts], args) if args.sweep_prompts and not args.whisper else []
+    )
+    return {
+        "environment": _environment(args, device),
+        "runs": [asdict(r) for r in runs],
+        "window_sweep": sweep,
+        "warmup_seconds": warmup_seconds,
+    }
+
+
+def _decoded_tokens(out: torch.LongTensor, prompt_length: int, args) -> int:
+    """Tokens the decoder produced for one prompt."""
+    if not args.whisper:
+        return out.shape[1] - prompt_length
+    # Whisper's `generate` returns what follows the start token (`<|notimestamps|>` first) without the final EOS,
+    # which a transcript ending before the limit has decoded.
+    return out.shape[1] + int(out.shape[1] < args.max_new_tokens)
+
+
+def _window_sweep(model, prompts, args) -> list[dict]:
+    """Compression (tokens per forward, deterministic) against the window size, N=5 and G=W."""
+    rows = []
+    for window in SWEEP_WINDOWS:
+        tokens = passes = 0
+        for _, _, ids, _ in prompts:
+            out = model.generate(
+                ids,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                lookahead_window=window,
+                return_dict_in_generate=True,
+            )
+            tokens += out.sequences.shape[1] - ids.shape[1]
+            passes += out.num_forward_passes
+        rows.append({"window": window, "compression": tokens / passes})
+    return rows
+
+
+def summarize(result: dict) -> list[dict]:
+    """
+    Per method and category (plus each dataset overall): median over repeats of each prompt's time, then speedup
+    = sum of greedy medians / sum of method medians, tokens/s, tokens per forward, host share of the time.
+    """
+    runs = result["runs"]
+    median_seconds = defaultdict(list)
+    info = {}
+    for run in runs:
+        key = (run["method"], run["prompt_id"])
+        median_seconds[key].append(run["seconds"])
+        info[key] = run
+    rows = []
+    groups = defaultdict(set)
+    for method, prompt_id in median_seconds:
+        category = info[(method, prompt_id)]["category"]
+        groups[(method, category)].add(prompt_id)
+        if category not in ("humaneval", SPEECH):
+            groups[(method, "mt_bench (all)")].add(prompt_id)
+    for (method, category), prompt_ids in sorted(groups.items()):
+        seconds = sum(statistics.median(median_seconds[(method, p)]) for p in prompt_ids)
+        greedy = sum(statistics.median(median_seconds[("greedy", p)]) for p in prompt_ids)
+        selected = [r for r in runs if r["method"] == method and r["prompt_id"] in prompt_ids]
+        tokens = sum(r["new_tokens"] for r in selected)
+        passes = sum(r["forward_passes"] for r in selected)
+        total = sum(r["seconds"] for r in selected)
+        forward = sum(r["forward_seconds"] for r in selected)
+        per_prompt = [
+            statistics.median(median_seconds[("greedy", p)]) / statistics.median(median_seconds[(method, p)])
+            for p in prompt_ids
+        ]
+        rows.append(
+            {
+                "method": method,
+                "category": category,
+                "prompts": len(prompt_ids),
+                "tokens_per_s": tokens / total,
+                "speedup": greedy / seconds,
+                "min_prompt_speedup": min(per_prompt),
+                "tokens_per_forward": tokens / passes,
+                "accepted_per_step": (tokens - len(selected)) / max(passes - len(selected), 1),
+                "host_share": 1 - forward / total,
+                "identical": sum(r["identical_to_greedy"] for r in selected)
+                // max(len(selected) // len(prompt_ids), 1),
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (
+        f"{'category':<16} {'method':<30} {'n':>3} {'tok/s':>7} {'speedup':>8} {'min':>6} {'tok/fwd':>8} "
+        f"{'acc/step':>8} {'host':>6} {'identical':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in sorted(rows, key=lambda r: (r["category"], list(METHODS).index(r["method"]))):
+        lines.append(
+            f"{row['category']:<16} {row['method']:<30} {row['prompts']:>3} {row['tokens_per_s']:>7.1f} "
+            f"{row['speedup']:>7.2f}x {row['min_prompt_speedup']:>5.2f}x {row['tokens_per_forward']:>8.2f} "
+            f"{row['accepted_per_step']:>8.2f} {row['host_share']:>6.1%} {row['identical']:>4}/{row['prompts']}"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = result.get("window_sweep") or []
+    if sweep:
+        figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
+    else:
+        figure, left = plt.subplots(1, 1, figsize=(10, 5))
+    categories = sorted({r["category"] for r in rows})
+    methods = [m for m in METHODS if m != "greedy" and any(r["method"] == m for r in rows)]
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [
+            next((r["speedup"] for r in rows if r["method"] == method and r["category"] == c), 0) for c in categories
+        ]
+        left.bar([x + i * width for x in range(len(categories))], values, width, label=method)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))])
+    left.set_xticklabels(categories, rotation=30, ha="right")
+    left.set_ylabel("speedup vs greedy (x)")
+    left.legend()
+    left.set_title("Speedup per category")
+    if sweep:
+        right.plot([s["window"] for s in sweep], [s["compression"] for s in sweep], marker="o")
+        right.set_xlabel("lookahead_window (N=5, G=W)")
+        right.set_ylabel("tokens per forward pass")
+        right.set_title("Compression vs window")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def run_sampling_benchmark(args) -> dict:
+    """
+    Plain sampling against lookahead sampling (`lookahead_window="auto"`), interleaved per prompt with the same seed,
+    at each temperature; then a distribution check per temperature (see `_distribution_check`).
+    """
+    from tqdm.auto import tqdm
+
+    model, tokenizer, device = _load(args)
+    prompts = _prompts(args, tokenizer, device)
+    timer = ForwardTimer(model)
+    runs = []
+    model.generate(prompts[0][2], max_new_tokens=8, do_sample=True, lookahead_window="auto")  # warm-up
+    progress = tqdm(total=len(prompts) * args.repeats * len(args.temperatures) * 2, desc="sampling", unit="gen")
+    for temperature in args.temperatures:
+        for index, (prompt_id, category, ids, _) in enumerate(prompts):
+            for repeat in range(args.repeats):
+                for method, kwargs in SAMPLING_METHODS.items():
+                    torch.manual_seed(1000 * index + repeat)
+                    timer.reset()
+                    start = time.perf_counter()
+                    out = model.generate(
+                        ids, do_sample=True, temperature=temperature, max_new_tokens=args.max_new_tokens, **kwargs
+                    )
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    runs.append(
+                        {
+                            "prompt_id": prompt_id,
+                            "category": category,
+                            "method": method,
+                            "temperature": temperature,
+                            "repeat": repeat,
+                            "new_tokens": out.shape[1] - ids.shape[1],
+                            "seconds": time.perf_counter() - start,
+                            "forward_passes": timer.calls,
+                        }
+                    )
+                    progress.update()
+    progress.close()
+    # The check uses the first HumanEval prompt when there is one: code repeats itself, so candidates get accepted.
+    check_ids = next((ids for _, category, ids, _ in prompts if category == "humaneval"), prompts[0][2])
+    checks = [
+        _distribution_check(model, check_ids, temperature, args.check_runs, args.check_tokens)
+        for temperature in args.temperatures
+    ]
+    return {"environment": _environment(args, device), "runs": runs, "distribution_checks": checks}
+
+
+def _distribution_check(model, ids: torch.LongTensor, temperature: float, runs: int, new_tokens: int) -> dict:
+    """
+    Draws the first `new_tokens` tokens `runs` times with plain sampling (one batched call) and with lookahead
+    sampling (one call per run), and tests per position that both samples come from one distribution.
+    """
+    common = {
+        "do_sample": True,
+        "temperature": temperature,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+    }
+    torch.manual_seed(0)
+    plain = model.generate(ids, num_return_sequences=runs, **common)[:, ids.shape[1] :]
+    lookahead, multi_token_runs = [], 0
+    for _ in range(runs):
+        out = model.generate(ids, lookahead_window="auto", return_dict_in_generate=True, **common)
+        lookahead.append(out.sequences[0, ids.shape[1] :])
+        multi_token_runs += any(kept > 1 for kept in out.accepted_per_step)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    plain_counts, lookahead_counts = token_counts(plain, vocab), token_counts(torch.stack(lookahead), vocab)
+    p_values = [homogeneity_p_value(plain_counts[i], lookahead_counts[i]) for i in range(new_tokens)]
+    return {
+        "temperature": temperature,
+        "runs": runs,
+        "new_tokens": new_tokens,
+        "p_values": p_values,
+        "runs_with_multi_token_steps": multi_token_runs,
+    }
+
+
+def summarize_sampling(result: dict) -> list[dict]:
+    """
+    Per temperature and dataset: tokens/s of each method (total tokens / total seconds, since sampled lengths differ),
+    the speedup as the ratio of those, the median per-prompt speedup, and lookahead's tokens per forward.
+    """
+    groups = defaultdict(list)
+    for run in result["runs"]:
+        dataset = "humaneval" if run["category"] == "humaneval" else "mt_bench"
+        for name in (dataset, "all"):
+            groups[(run["temperature"], name)].append(run)
+    rows = []
+    for (temperature, dataset), selected in sorted(groups.items()):
+        rate = {}
+        per_prompt = defaultdict(dict)
+        for method in SAMPLING_METHODS:
+            mine = [r for r in selected if r["method"] == method]
+            rate[method] = sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+            for prompt_id in {r["prompt_id"] for r in mine}:
+                theirs = [r for r in mine if r["prompt_id"] == prompt_id]
+                per_prompt[prompt_id][method] = sum(r["new_tokens"] for r in theirs) / sum(
+                    r["seconds"] for r in theirs
+                )
+        lookahead = [r for r in selected if r["method"] == "lookahead_sample"]
+        rows.append(
+            {
+                "temperature": temperature,
+                "dataset": dataset,
+                "prompts": len(per_prompt),
+                "sample_tokens_per_s": rate["sample"],
+                "lookahead_tokens_per_s": rate["lookahead_sample"],
+                "speedup": rate["lookahead_sample"] / rate["sample"],
+                "median_prompt_speedup": statistics.median(
+                    rates["lookahead_sample"] / rates["sample"] for rates in per_prompt.values()
+                ),
+                "tokens_per_forward": sum(r["new_tokens"] for r in lookahead)
+                / sum(r["forward_passes"] for r in lookahead),
+            }
+        )
+    return rows
+
+
+def format_sampling_table(rows: list[dict], checks: list[dict]) -> str:
+    header = (
+        f"{'temp':>5} {'dataset':<10} {'n':>3} {'sample tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} "
+        f"{'median':>7} {'tok/fwd':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['temperature']:>5.1f} {row['dataset']:<10} {row['prompts']:>3} {row['sample_tokens_per_s']:>12.1f} "
+            f"{row['lookahead_tokens_per_s']:>15.1f} {row['speedup']:>7.2f}x {row['median_prompt_speedup']:>6.2f}x "
+            f"{row['tokens_per_forward']:>8.2f}"
+        )
+    for check in checks:
+        lines.append(
+            f"distribution check, temperature {check['temperature']}: first {check['new_tokens']} tokens, "
+            f"{check['runs']} runs per method, lowest per-position p-value {min(check['p_values']):.3f}, "
+            f"{check['runs_with_multi_token_steps']} lookahead runs accepted several tokens in a step"
+        )
+    return "\n".join(lines)
+
+
+def _left_pad(rows: list[torch.LongTensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stacks `(1, length)` prompts into a left-padded batch with its attention mask."""
+    length = max(row.shape[1] for row in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device=rows[0].device)
+    attention_mask = torch.zeros_like(input_ids)
+    for index, row in enumerate(rows):
+        input_ids[index, length - row.shape[1] :] = row[0]
+        attention_mask[index, length - row.shape[1] :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def run_batched_benchmark(args) -> dict:
+    """
+    Batched greedy against batched lookahead (`lookahead_window="auto"`) for each batch size, on the same prompts
+    cut into left-padded batches; the two methods run interleaved per batch.
+    """
+    from tqdm.auto import tqdm
+
+    model, tokenizer, device = _load(args)
+    prompts = _prompts(args, tokenizer, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad_id}
+    methods = {"greedy": {}, "lookahead_auto": {"lookahead_window": "auto"}}
+    timer = ForwardTimer(model)
+    warm = _left_pad([prompts[0][2], prompts[-1][2]], pad_id)
+    for kwargs in methods.values():
+        model.generate(**warm, **common, **kwargs)
+    runs = []
+    total = sum(-(-len(prompts) // size) for size in args.batch_sizes) * args.repeats * len(methods)
+    progress = tqdm(total=total, desc="batched", unit="batch")
+    for size in args.batch_sizes:
+        for start in range(0, len(prompts), size):
+            group = prompts[start : start + size]
+            inputs = _left_pad([ids for _, _, ids, _ in group], pad_id)
+            reference = None
+            for repeat in range(args.repeats):
+                for method, kwargs in methods.items():
+                    timer.reset()
+                    begin = time.perf_counter()
+                    out = model.generate(**inputs, **common, **kwargs)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    seconds = time.perf_counter() - begin
+                    reference = out if reference is None else reference
+                    generated = out[:, inputs["input_ids"].shape[1] :]
+                    runs.append(
+                        {
+                            "batch_size": size,
+                            "batch": start // size,
+                            "method": method,
+                            "repeat": repeat,
+                            # Padding after a row's EOS is not a generated token.
+                            "new_tokens": int(_generated_lengths(generated, tokenizer.eos_token_id).sum()),
+                            "seconds": seconds,
+                            "forward_seconds": timer.seconds,
+                            "forward_passes": timer.calls,
+                            "identical_to_greedy": bool(torch.equal(out, reference)),
+                        }
+                    )
+                    progress.update()
+    progress.close()
+    return {"environment": _environment(args, device), "runs": runs}
+
+
+def _generated_lengths(generated: torch.LongTensor, eos_id: int | None) -> torch.LongTensor:
+    """Per row, the tokens up to and including the first EOS (all of them if there is none)."""
+    length = generated.shape[1]
+    if eos_id is None:
+        return torch.full((generated.shape[0],), length)
+    is_eos = generated == eos_id
+    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, torch.tensor(length))
+    return first.cpu()
+
+
+def summarize_batched(result: dict) -> list[dict]:
+    """Per batch size: tokens/s of each method (median over repeats of each batch's time, summed) and the speedup."""
+    rows = []
+    for size in sorted({run["batch_size"] for run in result["runs"]}):
+        mine = [run for run in result["runs"] if run["batch_size"] == size]
+        seconds, tokens = {}, {}
+        for method in ("greedy", "lookahead_auto"):
+            runs = [run for run in mine if run["method"] == method]
+            batches = sorted({run["batch"] for run in runs})
+            seconds[method] = sum(
+                statistics.median(run["seconds"] for run in runs if run["batch"] == batch) for batch in batches
+            )
+            tokens[method] = sum(next(run["new_tokens"] for run in runs if run["batch"] == batch) for batch in batches)
+        lookahead = [run for run in mine if run["method"] == "lookahead_auto"]
+        host = {
+            method: 1
+            - sum(run.get("forward_seconds", 0.0) for run in mine if run["method"] == method)
+            / sum(run["seconds"] for run in mine if run["method"] == method)
+            for method in ("greedy", "lookahead_auto")
+        }
+        rows.append(
+            {
+                "batch_size": size,
+                "greedy_host_share": host["greedy"],
+                "lookahead_host_share": host["lookahead_auto"],
+                "greedy_tokens_per_s": tokens["greedy"] / seconds["greedy"],
+                "lookahead_tokens_per_s": tokens["lookahead_auto"] / seconds["lookahead_auto"],
+                "speedup": seconds["greedy"] / seconds["lookahead_auto"],
+                "identical": sum(run["identical_to_greedy"] for run in lookahead),
+                "runs": len(lookahead),
+            }
+        )
+    return rows
+
+
+def format_batched_table(rows: list[dict]) -> str:
+    header = (
+        f"{'batch':>5} {'greedy tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} {'host (greedy/lookahead)':>24} "
+        f"{'identical':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['batch_size']:>5} {row['greedy_tokens_per_s']:>12.1f} {row['lookahead_tokens_per_s']:>15.1f} "
+            f"{row['speedup']:>7.2f}x {row['greedy_host_share']:>14.1%} / {row['lookahead_host_share']:>6.1%} "
+            f"{row['identical']:>4}/{row['runs']}"
+        )
+    return "\n".join(lines)
+
+
+def plot_batched(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    sizes = [row["batch_size"] for row in rows]
+    axis.plot(sizes, [row["greedy_tokens_per_s"] for row in rows], marker="o", label="batched greedy")
+    axis.plot(sizes, [row["lookahead_tokens_per_s"] for row in rows], marker="o", label="batched lookahead (auto)")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(sizes, [str(size) for size in sizes])
+    axis.set_xlabel("batch size")
+    axis.set_ylabel("generated tokens / s")
+    axis.set_title("Batched throughput")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def run_cost_curve(args) -> None:
+    """Forward time against step length (1..256) on the device, written as JSON and PNG."""
+    model, _, device = _load(args)
+    grid = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    relative = measure_step_costs(model, grid)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost_curve.json").write_text(
+        json.dumps({"environment": _environment(args, device), "relative_cost": relative}, indent=1)
+    )
+    for length, cost in relative.items():
+        print(f"T={length:>4}: {cost:6.2f}x a one-token forward")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(list(relative), list(relative.values()), marker="o")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("tokens in the forward pass")
+    axis.set_ylabel("time / one-token forward")
+    axis.set_title(f"Forward cost on {device.type} ({torch.get_num_threads()} threads)")
+    figure.tight_layout()
+    figure.savefig(out / "cost_curve.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, fetched and converted once)")
+    parser.add_argument("--dataset", choices=["mt_bench", "humaneval", "all"], default="all")
+    parser.add_argument("--split", choices=["tuning", "held_out"], default="tuning")
+    parser.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts for the compression-vs-window sweep")
+    parser.add_argument("--cost-curve", action="store_true", help="measure forward cost against step length")
+    parser.add_argument(
+        "--sampling", action="store_true", help="plain vs lookahead sampling, with a distribution check"
+    )
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
+    parser.add_argument("--check-runs", type=int, default=300, help="runs per method of the distribution check")
+    parser.add_argument("--check-tokens", type=int, default=6, help="first tokens compared by the distribution check")
+    parser.add_argument("--batched", action="store_true", help="batched greedy vs batched lookahead throughput")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--whisper", action="store_true", help="Whisper tiny.en on MT-Bench questions read by espeak-ng"
+    )
+    parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
+    parser.add_argument("--output-dir", default="bench_out")
+    args = parser.parse_args(argv)
+    args.command = "python utils/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if "greedy" not in args.methods:
+        args.methods = ["greedy", *args.methods]
+    if args.whisper and (args.sampling or args.batched or args.cost_curve or args.model):
+        parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop the other modes.")
+    if args.cost_curve:
+        run_cost_curve(args)
+        return
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sampling:
+        result = run_sampling_benchmark(args)
+        result["summary"] = summarize_sampling(result)
+        table = format_sampling_table(result["summary"], result["distribution_checks"])
+        (out / "sampling.json").write_text(json.dumps(result, indent=1))
+        (out / "sampling.txt").write_text(table + "\n")
+        print(table)
+        return
+    if args.batched:
+        result = run_batched_benchmark(args)
+        result["summary"] = summarize_batched(result)
+        table = format_batched_table(result["summary"])
+        (out / "batched.json").write_text(json.dumps(result, indent=1))
+        (out / "batched.txt").write_text(table + "\n")
+        plot_batched(result["summary"], out / "batched.png")
+        print(table)
+        return
+    result = run_benchmark(args)
+    rows = summarize(result)
+    result["summary"] = rows
+    name = "whisper" if args.whisper else "benchmark"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    table = format_table(rows)
+    warmup = ", ".join(f"{method} {seconds:.1f}" for method, seconds in result["warmup_seconds"].items())
+    table += f"\nfirst call of each method (seconds, compilation included): {warmup}"
+    (out / f"{name}.txt").write_text(table + "\n")
+    plot(result, rows, out / f"{name}.png")
+    print(table)
+    print(f"\nwritten: {out / name}.json, .txt, .png")
+
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from transformers_lookahead import enable_lookahead
-from transformers_lookahead.assets import chat_input_ids, smollm2_path, tuning_prompts
+from utils.assets import chat_input_ids, smollm2_path, tuning_prompts
 
 
 def main():

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
+from .compatibility import ROLLBACK_LAYERS, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
-
-# Layer classes whose `crop` puts them back as they were before a step.
-ROLLBACK_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
 
 
 class CacheCommitter:
@@ -42,11 +39,13 @@ class CacheCommitter:
         if strategy not in CACHE_COMMIT_STRATEGIES:
             raise ValueError(f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {strategy!r}.")
         for layer in cache.layers:
-            kind = type(layer).__name__
-            if kind not in ROLLBACK_LAYERS:
+            # Exact classes: quantized layers, for one, subclass `DynamicLayer` but cannot be rolled back exactly.
+            if type(layer) not in ROLLBACK_LAYERS:
+                names = tuple(kind.__name__ for kind in ROLLBACK_LAYERS)
                 raise ValueError(
-                    f"Lookahead decoding rolls the cache back after every step; {type(cache).__name__} has {kind} "
-                    f"layers, which cannot be rolled back. Use a cache whose layers are one of {ROLLBACK_LAYERS}: "
+                    f"Lookahead decoding rolls the cache back after every step; {type(cache).__name__} has "
+                    f"{type(layer).__name__} layers, which cannot be rolled back. Use a cache whose layers are one of "
+                    f"{names}: "
                     '`DynamicCache` (the default) or `cache_implementation="static"`.'
                 )
             if isinstance(layer, StaticSlidingWindowLayer) and not layer.is_croppable:

@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .compatibility import attention_implementation
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
@@ -185,7 +187,7 @@ def check_attention_implementation(model: PreTrainedModel) -> None:
     Raises:
         `ValueError` naming the backend and the ones to use instead.
     """
-    attn = model.config._attn_implementation
+    attn = attention_implementation(model)
     if attn not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"Lookahead decoding needs an attention backend that applies custom 4D masks, but the model uses "

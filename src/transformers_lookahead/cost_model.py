@@ -1,4 +1,4 @@
-"""What a forward pass of T tokens costs on this model and device, measured once and cached."""
+"""What a forward pass of T tokens costs on this model and device, measured once and kept (see `default_cost_dir`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
+from transformers.utils import logging
 
+from .compatibility import attention_implementation, model_name_or_path
 from .ngram_pool import TokenTree
 from .step_forward import StepForward, max_positions
 from .step_layout import StepInputs, StepLayout
+
+logger = logging.get_logger(__name__)
 
 # Step lengths the cost is measured at; lengths in between are interpolated.
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -23,9 +27,23 @@ _CONTEXT = 128
 _REPEATS = 3
 
 
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/transformers_lookahead` (`~/.cache/transformers_lookahead` by default)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformers_lookahead"
+# Environment variable naming where measured cost tables are kept: a directory, or "off" to keep them in memory only.
+COST_DIR_VARIABLE = "TRANSFORMERS_LOOKAHEAD_COST_DIR"
+_OFF = ("off", "0", "false", "no", "")
+
+
+def default_cost_dir() -> Path | None:
+    """
+    Where measured cost tables are kept unless a `LookaheadState` says otherwise: `$TRANSFORMERS_LOOKAHEAD_COST_DIR`
+    if set (`None` when it is "off"), else `lookahead/step_costs` under the Hugging Face cache (`$HF_HOME`, by
+    default `~/.cache/huggingface`).
+    """
+    configured = os.environ.get(COST_DIR_VARIABLE)
+    if configured is not None:
+        return None if configured.strip().lower() in _OFF else Path(configured).expanduser()
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    hf_home = Path(os.environ.get("HF_HOME", cache_home / "huggingface")).expanduser()
+    return hf_home / "lookahead" / "step_costs"
 
 
 class StepCostModel:
@@ -70,47 +88,52 @@ class StepCostModel:
 
     @classmethod
     def for_model(
-        cls,
-        model: PreTrainedModel,
-        cache_dir: str | os.PathLike | None = None,
-        encoder_outputs: Any = None,
+        cls, model: PreTrainedModel, cost_dir: str | os.PathLike | None = None, encoder_outputs: Any = None
     ) -> StepCostModel:
         """
-        The cost table of `model` on its device and dtype: read from the cache directory, or measured (a few dozen
-        forward passes) and written there.
+        The cost table of `model` on its device, dtype and thread count: read from `cost_dir`, or measured (a few
+        dozen forward passes) and written there. An unreadable, corrupt or foreign file is measured again; a
+        directory that cannot be written only means the next process measures again (a warning says so).
 
         Args:
             model (`PreTrainedModel`): the model.
-            cache_dir (`str` or `os.PathLike`, *optional*): where tables are kept; `default_cache_dir()` if unset.
+            cost_dir (`str` or `os.PathLike`, *optional*): where tables are kept; `None` measures without reading or
+                writing any file.
             encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input
                 (batch size 1) for the decoder to attend to while it is timed.
         """
-        path = Path(cache_dir or default_cache_dir()) / f"step-cost-{_model_key(model)}.json"
-        if path.is_file():
+        path = None if cost_dir is None else Path(cost_dir) / f"step-cost-{model_key(model)}.json"
+        if path is not None:
             try:
-                return cls({int(k): v for k, v in json.loads(path.read_text())["relative_costs"].items()})
-            except (ValueError, KeyError, OSError):
-                pass  # A corrupt or foreign file is measured again and replaced.
+                return cls({int(k): float(v) for k, v in json.loads(path.read_text())["relative_costs"].items()})
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass  # Missing, corrupt or foreign: measured again and replaced below.
         costs = measure_step_costs(model, encoder_outputs=encoder_outputs)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"relative_costs": costs}, indent=1))
-        except OSError:
-            pass  # A read-only home still decodes; it only measures again next time.
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.part")
+                partial.write_text(json.dumps({"relative_costs": costs}, indent=1))
+                partial.replace(path)
+            except OSError as error:
+                logger.warning(
+                    f"Could not keep the lookahead step-cost table in {cost_dir} ({error}); it is kept in memory only. "
+                    f"Set {COST_DIR_VARIABLE} to a writable directory, or to 'off' to silence this."
+                )
         return cls(costs)
 
 
-def _model_key(model: PreTrainedModel) -> str:
-    config = model.config
+def model_key(model: PreTrainedModel) -> str:
+    """What a cost table depends on: the model, its dtype and device, the thread count and the attention backend."""
     parts = [
         type(model).__name__,
-        str(getattr(config, "_name_or_path", "")),
+        model_name_or_path(model),
         str(sum(p.numel() for p in model.parameters())),
         str(model.dtype),
         str(model.device.type),
         torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
         str(torch.get_num_threads()),
-        config._attn_implementation or "",
+        attention_implementation(model) or "",
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

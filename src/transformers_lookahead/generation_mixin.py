@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .compatibility import is_from_model_config, mark_as_user_config, prepare_cache_with_step_room, step_room
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation
 from .lookahead_decoding import generate as lookahead_generate
+from .lookahead_state import LookaheadState
 
 if TYPE_CHECKING:
     import torch
@@ -25,35 +27,28 @@ class LookaheadGenerationMixin:
     own `generation_config`), `generate` prepares its inputs as usual and then decodes with
     `transformers_lookahead.generate`. Without it, `generate` is untouched.
 
-    Use `enable_lookahead(model)` to put this mixin in front of a loaded model's class.
+    Use `enable_lookahead(model)` to put this mixin in front of a loaded model's class; it also gives the model its
+    `lookahead_state` (a `LookaheadState`), where `"auto"` keeps what it learns across calls.
     """
+
+    lookahead_state: LookaheadState
 
     def generate(
         self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
     ):
         return generate_with_lookahead(self, inputs, generation_config, **kwargs)
 
-    def _prepare_cache_for_generation(
-        self,
-        generation_config: GenerationConfig,
-        model_kwargs: dict,
-        generation_mode: Any,
-        batch_size: int,
-        max_cache_length: int,
-    ) -> Any:
-        # A lookahead step writes a whole step past the accepted tokens before rolling back: a static cache built
-        # for this call gets that much room beyond what plain decoding needs.
-        max_cache_length += getattr(self, "_lookahead_step_room", 0)
-        return super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
+    # Static caches that `generate` builds for a lookahead call get one step of extra room.
+    _prepare_cache_for_generation = prepare_cache_with_step_room
 
     def save_pretrained(self, *args: Any, **kwargs: Any):
         # `GenerationConfig.from_pretrained` drops custom fields from configs flagged as derived from the model
         # config (what a model built from a config carries); once lookahead fields are set the config is the user's.
         config = self.generation_config
-        if config._from_model_config and any(getattr(config, field, None) is not None for field in LOOKAHEAD_FIELDS):
-            config._from_model_config = False
+        if is_from_model_config(config) and any(
+            getattr(config, field, None) is not None for field in LOOKAHEAD_FIELDS
+        ):
+            mark_as_user_config(config)
         return super().save_pretrained(*args, **kwargs)
 
 
@@ -102,31 +97,29 @@ def generate_with_lookahead(
     # streamer and the assistant travel bound to the callable.
     decoding = functools.partial(
         lookahead_generate,
-        lookahead_window=config.window,
-        lookahead_ngram=config.ngram,
-        lookahead_guess=config.guess,
-        lookahead_pool_from_prompt=config.pool_from_prompt,
-        lookahead_cache_commit=config.cache_commit,
+        lookahead_config=config,
+        lookahead_state=getattr(model, "lookahead_state", None) or LookaheadState(),
         lookahead_streamer=kwargs.pop("streamer", None),
         lookahead_assistant_model=kwargs.pop("assistant_model", None),
     )
-    model._lookahead_step_room = config.max_step_length()
-    try:
+    with step_room(config.max_step_length()):
         return _class_generate(model)(
             *inputs_argument, generation_config=generation_config, custom_generate=decoding, **kwargs
         )
-    finally:
-        del model._lookahead_step_room
 
 
 def _class_generate(model: PreTrainedModel) -> Callable[..., Any]:
     """
     The `generate` of the model's own class, bound to it: Whisper's, for instance, prepares its prompt tokens and
     logits processors before calling `GenerationMixin.generate`, which then hands over to the lookahead loop.
+
+    Read from the class, not the object: a model loaded with `trust_remote_code=True` from a folder with a
+    `custom_generate/` has its `generate` replaced on the object by that folder's function, which calls this.
     """
-    if isinstance(model, LookaheadGenerationMixin):
+    cls = type(model)
+    if issubclass(cls, LookaheadGenerationMixin):
         return super(LookaheadGenerationMixin, model).generate
-    return model.generate
+    return cls.generate.__get__(model, cls)
 
 
 def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> None:
@@ -152,32 +145,38 @@ def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConf
     kwargs["stop_strings"] = None
 
 
-_LOOKAHEAD_CLASSES: dict[type, type] = {}
+@functools.cache
+def _lookahead_class(cls: type) -> type:
+    """The subclass of `cls` with `LookaheadGenerationMixin` in front, made once per class."""
+    return type(
+        cls.__name__, (LookaheadGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    )
 
 
-def enable_lookahead(model: PreTrainedModel) -> PreTrainedModel:
+def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None) -> PreTrainedModel:
     """
-    Gives `model` lookahead decoding: its class becomes a subclass with `LookaheadGenerationMixin` in front.
+    Gives `model` lookahead decoding: its class becomes a subclass with `LookaheadGenerationMixin` in front, and it
+    gets a `lookahead_state` where `"auto"` keeps what it learns across calls.
 
     Only this object changes; its class keeps its name, so `save_pretrained` still writes the original architecture
-    and the saved model loads with stock Transformers. Calling it again is a no-op.
+    and the saved model loads with stock Transformers. Calling it again keeps the model's state unless `state` is
+    given.
 
     Args:
-        model (`PreTrainedModel`): a loaded decoder-only model.
+        model (`PreTrainedModel`): a loaded generative model.
+        state (`LookaheadState`, *optional*): the state to use, e.g. one with another cost-table directory
+            (`LookaheadState(cost_dir=None)` keeps cost tables in memory only). A new `LookaheadState()` if unset.
 
     Returns:
         The same `model`, for chaining.
     """
     if not isinstance(model, PreTrainedModel) or not model.can_generate():
         raise TypeError(f"enable_lookahead expects a generative `PreTrainedModel`, got {type(model).__name__}.")
+    if state is not None and not isinstance(state, LookaheadState):
+        raise TypeError(f"`state` must be a `LookaheadState`, got {type(state).__name__}.")
     cls = type(model)
-    if issubclass(cls, LookaheadGenerationMixin):
-        return model
-    if cls not in _LOOKAHEAD_CLASSES:
-        _LOOKAHEAD_CLASSES[cls] = type(
-            cls.__name__,
-            (LookaheadGenerationMixin, cls),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
-    model.__class__ = _LOOKAHEAD_CLASSES[cls]
+    if not issubclass(cls, LookaheadGenerationMixin):
+        model.__class__ = _lookahead_class(cls)
+    if state is not None or getattr(model, "lookahead_state", None) is None:
+        model.lookahead_state = state or LookaheadState()
     return model

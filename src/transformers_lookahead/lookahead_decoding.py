@@ -17,13 +17,15 @@ from transformers import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .cache_commit import CacheCommitter
+from .compatibility import bind_batch_index, can_auto_compile, pad_token_id, prefill
 from .configuration_lookahead import AUTO_CONTEXT_DEPTH, AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
-from .cost_model import COST_GRID, StepCostModel
+from .cost_model import COST_GRID
+from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import RowStep, StepLayout
-from .step_policy import AdaptiveStepPolicy, EstimateMemory, PolicyEstimates, StaticStepPolicy, choose_window
+from .step_policy import AdaptiveStepPolicy, PolicyEstimates, StaticStepPolicy, choose_window
 from .verification import GreedyVerifier, SamplingVerifier, Verdict
 
 if TYPE_CHECKING:
@@ -32,8 +34,6 @@ if TYPE_CHECKING:
 
 # Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
 DEFAULT_WINDOW = "auto"
-# What greedy `"auto"` calls learnt about acceptance, per model: the next call starts from it.
-ESTIMATES = EstimateMemory()
 # With a compiled forward pass and `"auto"`, the fixed length of multi-token steps costs at most this many one-token
 # steps. Measured on SmolLM2 on a 2-core CPU: 2.0 (16 tokens) lost on open-ended prompts, see the guide.
 COMPILED_STEP_COST = 1.7
@@ -80,11 +80,13 @@ def generate(
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
     synced_gpus: bool = False,
-    lookahead_window: int | None = None,
-    lookahead_ngram: int | None = None,
-    lookahead_guess: int | None = None,
+    lookahead_window: int | str | None = None,
+    lookahead_ngram: int | str | None = None,
+    lookahead_guess: int | str | None = None,
     lookahead_pool_from_prompt: bool | None = None,
     lookahead_cache_commit: str | None = None,
+    lookahead_config: LookaheadConfig | None = None,
+    lookahead_state: LookaheadState | None = None,
     lookahead_streamer: BaseStreamer | None = None,
     lookahead_assistant_model: PreTrainedModel | None = None,
     **model_kwargs: Any,
@@ -95,9 +97,10 @@ def generate(
     output of plain greedy decoding and sampled output follows the distribution of plain sampling, with the same
     logits processors, warpers and stopping criteria.
 
-    `generate` calls this after preparing the inputs, either as a `custom_generate` callable or through
-    `LookaheadGenerationMixin`. Settings come from the `lookahead_*` arguments, else from the `generation_config`
-    fields of the same names.
+    `generate` calls this after preparing the inputs, either as a `custom_generate` callable
+    (`model.generate(..., custom_generate=transformers_lookahead.generate, lookahead_window=7)`) or through
+    `LookaheadGenerationMixin`. Settings come from `lookahead_config`, else from the `lookahead_*` arguments, else
+    from the `generation_config` fields of the same names.
 
     Args:
         model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks, or an
@@ -108,12 +111,16 @@ def generate(
         logits_processor (`LogitsProcessorList`): processors applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
-        synced_gpus (`bool`): unsupported, must be False.
-        lookahead_window (`int`, *optional*): W, window columns.
-        lookahead_ngram (`int`, *optional*): N, n-gram size (window levels + 1).
-        lookahead_guess (`int`, *optional*): G, the most candidates verified per step.
+        synced_gpus (`bool`, *optional*, defaults to `False`): unsupported, must be False.
+        lookahead_window (`int` or `"auto"`, *optional*): W, window columns (see `LookaheadConfig`).
+        lookahead_ngram (`int` or `"auto"`, *optional*): N, n-gram size.
+        lookahead_guess (`int` or `"auto"`, *optional*): G, the most candidates verified per step.
         lookahead_pool_from_prompt (`bool`, *optional*): seed the pool from the prompt and the accepted text.
         lookahead_cache_commit (`str`, *optional*): `"gather"` or `"refeed"`.
+        lookahead_config (`LookaheadConfig`, *optional*): the settings, already resolved (what
+            `LookaheadGenerationMixin` passes); the `lookahead_*` arguments above are then ignored.
+        lookahead_state (`LookaheadState`, *optional*): what earlier calls on this model learnt; defaults to
+            `model.lookahead_state` (set by `enable_lookahead`), else a new state for this call only.
         lookahead_streamer (`BaseStreamer`, *optional*): receives the prompt, then every accepted chunk.
         lookahead_assistant_model (`PreTrainedModel`, *optional*): only checked, to refuse assisted decoding.
         model_kwargs: the model keyword arguments `generate` prepared, the cache among them.
@@ -123,16 +130,16 @@ def generate(
         `generate` pads them), or `LookaheadDecoderOnlyOutput` (`LookaheadEncoderDecoderOutput` for encoder-decoder
         models) if `generation_config.return_dict_in_generate=True`.
     """
-    overrides = {
-        "lookahead_window": lookahead_window,
-        "lookahead_ngram": lookahead_ngram,
-        "lookahead_guess": lookahead_guess,
-        "lookahead_pool_from_prompt": lookahead_pool_from_prompt,
-        "lookahead_cache_commit": lookahead_cache_commit,
-    }
-    config = LookaheadConfig.from_sources(overrides, generation_config)
+    config = lookahead_config
     if config is None:
-        config = LookaheadConfig(window=DEFAULT_WINDOW)
+        arguments = {
+            "lookahead_window": lookahead_window,
+            "lookahead_ngram": lookahead_ngram,
+            "lookahead_guess": lookahead_guess,
+            "lookahead_pool_from_prompt": lookahead_pool_from_prompt,
+            "lookahead_cache_commit": lookahead_cache_commit,
+        }
+        config = LookaheadConfig.from_sources(arguments, generation_config) or LookaheadConfig(window=DEFAULT_WINDOW)
     validate_lookahead_setup(model, generation_config, model_kwargs, lookahead_assistant_model)
     if synced_gpus:
         raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")
@@ -142,14 +149,23 @@ def generate(
             "`num_return_sequences`). With lookahead the rows advance by different numbers of tokens per step, so "
             "there is no per-step token column to stream: generate the rows one at a time to stream them."
         )
+    if lookahead_state is None:
+        lookahead_state = getattr(model, "lookahead_state", None) or LookaheadState()
     cache = model_kwargs.get("cache")
     if model.config.is_encoder_decoder:
         forward = StepForward(model, cache, model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask"))
     else:
         forward = StepForward(model, cache)
-    committer = CacheCommitter(forward.decoder_cache, config.cache_commit)
     decoder = LookaheadDecoder(
-        model, config, logits_processor, stopping_criteria, generation_config, committer, forward, input_ids.shape[0]
+        model,
+        config,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        CacheCommitter(forward.decoder_cache, config.cache_commit),
+        forward,
+        input_ids.shape[0],
+        lookahead_state,
     )
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
@@ -193,6 +209,24 @@ class SequenceState:
         return len(self.tokens) - 1
 
 
+@dataclass
+class StepPlan:
+    """
+    One sequence's part of the next step.
+
+    Args:
+        sequence (`SequenceState`): the sequence.
+        offered (`TokenTree`): every candidate its pool and context offered; the policy learns from all of them.
+        tree (`TokenTree`): the candidates the step verifies (a subtree of `offered`).
+        row (`RowStep`): the sequence's tokens, positions and visibility in the step, and where its outputs are.
+    """
+
+    sequence: SequenceState
+    offered: TokenTree
+    tree: TokenTree
+    row: RowStep
+
+
 class LookaheadDecoder:
     """
     The decoding loop of one `generate` call.
@@ -211,7 +245,8 @@ class LookaheadDecoder:
         generation_config (`GenerationConfig`): the resolved generation config.
         committer (`CacheCommitter`): keeps the accepted tokens in the (self-attention) cache.
         forward (`StepForward`): runs a step through the model.
-        batch_size (`int`): rows of the batch (after `num_return_sequences`).
+        batch_size (`int`, *optional*, defaults to 1): rows of the batch (after `num_return_sequences`).
+        state (`LookaheadState`, *optional*): what earlier calls on the model learnt; a new one if unset.
     """
 
     def __init__(
@@ -224,6 +259,7 @@ class LookaheadDecoder:
         committer: CacheCommitter,
         forward: StepForward,
         batch_size: int = 1,
+        state: LookaheadState | None = None,
     ):
         self.model = model
         self.config = config
@@ -232,16 +268,17 @@ class LookaheadDecoder:
         self.generation_config = generation_config
         self.committer = committer
         self.forward = forward
+        self.state = state if state is not None else LookaheadState()
         if config.adaptive:
             # The cost table is per model, not per batch: an encoder-decoder model is timed over one input.
             first_input = None
             if forward.is_encoder_decoder:
                 first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
-            self.cost = StepCostModel.for_model(model, encoder_outputs=first_input)
-            self.batch_cost = self.cost.for_batch(batch_size)
-            self.window_size = choose_window(self.batch_cost, config.levels, AUTO_MAX_WINDOW)
+            self.cost = self.state.cost_model(model, encoder_outputs=first_input)
+            self.window_size = choose_window(self.cost.for_batch(batch_size), config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
+        self.batch_size = batch_size
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = max_positions(model)
         return_dict = generation_config.return_dict_in_generate
@@ -250,37 +287,11 @@ class LookaheadDecoder:
         # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
         # criteria fired keeps generating until every sequence's have.
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-        # Greedy adaptive calls carry what they learnt to the next call (see `EstimateMemory`).
+        # Greedy adaptive calls carry what they learnt to the next call (see `LookaheadState`).
         self.remembers = config.adaptive and not generation_config.do_sample
         # The candidates decide how many random numbers sampled verification draws: a sampled call plans from the cost
         # table only, not from step times, so that a seed reproduces it.
         self.follows_durations = not generation_config.do_sample
-
-    def _equip(self, sequence: SequenceState) -> None:
-        """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
-        config, tokens = self.config, sequence.tokens
-        sequence.pool = NGramPool(config.levels, config.guess)
-        if config.pool_from_prompt:
-            sequence.pool.add_sequence(tokens)
-        sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
-        if config.adaptive:
-            sequence.policy = AdaptiveStepPolicy(
-                self.batch_cost,
-                self.window_size * config.levels,
-                config.levels,
-                context_depth=AUTO_CONTEXT_DEPTH,
-            )
-            if self.remembers:
-                learnt = ESTIMATES.recall(self.model, sequence.policy.shape)
-                if learnt is not None:
-                    sequence.policy.start_from(learnt)
-            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
-            sequence.context = ContextIndex() if config.pool_from_prompt else None
-        else:
-            sequence.policy = StaticStepPolicy()
-            sequence.context = None
-        verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
-        sequence.verifier = verifier_class(processors_for_row(self.logits_processor, sequence.index))
 
     def run(
         self,
@@ -288,17 +299,60 @@ class LookaheadDecoder:
         model_kwargs: dict[str, Any],
         streamer: BaseStreamer | None,
     ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
-        model, config, cache = self.model, self.config, self.committer.cache
+        """
+        Prefills the prompts, then runs steps until every sequence has stopped: plan, lay out, forward, verify and
+        accept, commit to the cache, update the windows, pools and policies.
+        """
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        is_encoder_decoder = self.forward.is_encoder_decoder
-        attention_mask = model_kwargs.get("decoder_attention_mask" if is_encoder_decoder else "attention_mask")
-
-        outputs = model._prefill(input_ids, self.generation_config, model_kwargs)
+        sequences, slot_valid = self._prefill(input_ids, model_kwargs, streamer)
+        self.committer.start()
+        self._choose_forward(model_kwargs)
+        layout = StepLayout.for_model(self.model, self.committer.cache, self.window_size, self.config.levels)
         forward_passes = 1
+        active = [sequence for sequence in sequences if not sequence.done]
+        if active and len(active) < len(sequences):
+            slot_valid = self._keep_running(active, sequences, slot_valid)
+        while active:
+            plans = self._plan(active, layout)
+            step = layout.build(self.committer.cache, [plan.row for plan in plans], slot_valid, self.fixed_length)
+            started = time.perf_counter()
+            logits = self.forward(step)
+            forward_passes += 1
+            verdicts = [self._accept(plan, step.logits_of(b, logits), streamer) for b, plan in enumerate(plans)]
+            # Verification read the choices on the host, so on accelerators too the step has finished here.
+            elapsed = time.perf_counter() - started
+            kept_rows = [
+                plan.row.kept_rows(verdict.nodes[: kept - 1], self.config.cache_commit)
+                for plan, (verdict, kept) in zip(plans, verdicts)
+            ]
+            added = self.committer.commit(step.length, kept_rows)
+            if slot_valid is not None:
+                kept_counts = torch.tensor([len(rows) for rows in kept_rows], device=slot_valid.device)
+                new_slots = torch.arange(added, device=slot_valid.device)[None, :] < kept_counts[:, None]
+                slot_valid = torch.cat([slot_valid, new_slots], dim=1)
+            for b, (plan, (verdict, kept)) in enumerate(zip(plans, verdicts)):
+                self._learn(plan, verdict, kept, step.logits_of(b, logits), step.length, elapsed)
+            active, slot_valid = self._settle(sequences, active, slot_valid)
+
+        if streamer is not None:
+            streamer.end()
+        if self.remembers:
+            estimates = PolicyEstimates.mean([sequence.policy.estimates() for sequence in sequences])
+            self.state.remember(sequences[0].policy.shape, estimates)
+        return self._outputs(sequences, forward_passes, slot_valid)
+
+    def _prefill(
+        self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], streamer: BaseStreamer | None
+    ) -> tuple[list[SequenceState], torch.BoolTensor | None]:
+        """Runs the prompts through the model, appends each sequence's first token and equips the sequences."""
+        attention_mask = model_kwargs.get(
+            "decoder_attention_mask" if self.forward.is_encoder_decoder else "attention_mask"
+        )
+        outputs = prefill(self.model, input_ids, self.generation_config, model_kwargs)
         first = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
-        first_scores = self.logits_processor(input_ids, first)
         del outputs
+        first_scores = self.logits_processor(input_ids, first)
         if self.generation_config.do_sample:
             first_tokens = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[:, 0].tolist()
         else:
@@ -317,120 +371,133 @@ class LookaheadDecoder:
             self._equip(sequence)
             sequences.append(sequence)
         self._stream(streamer, sequences[0], 1)
-        self._settle(sequences)
+        self._mark_finished(sequences)
+        return sequences, slot_valid
 
-        self.committer.start()
-        self._choose_forward(model_kwargs)
-        layout = StepLayout.for_model(model, cache, self.window_size, config.levels)
-        active = [sequence for sequence in sequences if not sequence.done]
-        if active and len(active) < len(sequences):
-            slot_valid = self._keep_running(active, sequences, slot_valid)
-        while active:
-            plans = self._plan(active, layout)
-            step = layout.build(cache, [plan[2] for plan in plans], slot_valid, self.fixed_length)
-
-            started = time.perf_counter()
-            logits = self.forward(step)
-            forward_passes += 1
-            kept_rows = []
-            for b, (sequence, plan) in enumerate(zip(active, plans)):
-                row_logits = logits[b] if step.row_logits[b] is None else logits[b, step.row_logits[b]]
-                kept_rows.append(self._advance(sequence, *plan, row_logits, streamer))
-            # `verify` reads the choices on the host, so on accelerators too the step has finished here.
-            elapsed = time.perf_counter() - started
-            if self.follows_durations:
-                for sequence in active:
-                    sequence.policy.observe_duration(step.length, elapsed)
-
-            added = self.committer.commit(step.length, kept_rows)
-            if slot_valid is not None:
-                kept_counts = torch.tensor([len(rows) for rows in kept_rows], device=slot_valid.device)
-                new_slots = torch.arange(added, device=slot_valid.device)[None, :] < kept_counts[:, None]
-                slot_valid = torch.cat([slot_valid, new_slots], dim=1)
-            self._settle(sequences)
-            still_running = [sequence for sequence in active if not sequence.done]
-            if len(still_running) < len(active) and still_running:
-                slot_valid = self._keep_running(still_running, active, slot_valid)
-                if config.adaptive:
-                    # A smaller batch makes each extra token per row cheaper again.
-                    cost = self.cost.for_batch(len(still_running))
-                    for sequence in still_running:
-                        sequence.policy.cost = cost
-            active = still_running
-
-        if streamer is not None:
-            streamer.end()
-        if self.remembers:
-            estimates = PolicyEstimates.mean([sequence.policy.estimates() for sequence in sequences])
-            ESTIMATES.remember(model, sequences[0].policy.shape, estimates)
-        output_ids = self._output_ids(sequences)
-        if not self.generation_config.return_dict_in_generate:
-            return output_ids
-        outputs = {
-            "sequences": output_ids,
-            "scores": self._per_token(sequences, "scores") if self.keep_scores else None,
-            "logits": self._per_token(sequences, "raw_logits") if self.keep_logits else None,
-            # With several sequences the cache holds unused slots and only the rows still running at the end.
-            "cache": self.forward.cache if slot_valid is None else None,
-        }
-        if is_encoder_decoder:
-            steps = max(len(sequence.accepted) for sequence in sequences)
-            accepted = [sequence.accepted + [0] * (steps - len(sequence.accepted)) for sequence in sequences]
-            return LookaheadEncoderDecoderOutput(
-                **outputs,
-                num_forward_passes=torch.tensor([1 + len(sequence.accepted) for sequence in sequences]),
-                accepted_per_step=torch.tensor(accepted, dtype=torch.long).reshape(len(sequences), steps),
+    def _equip(self, sequence: SequenceState) -> None:
+        """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
+        config, tokens = self.config, sequence.tokens
+        sequence.pool = NGramPool(config.levels, config.guess)
+        if config.pool_from_prompt:
+            sequence.pool.add_sequence(tokens)
+        sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
+        if config.adaptive:
+            sequence.policy = AdaptiveStepPolicy(
+                self.cost.for_batch(self.batch_size),
+                self.window_size * config.levels,
+                config.levels,
+                context_depth=AUTO_CONTEXT_DEPTH,
             )
-        return LookaheadDecoderOnlyOutput(
-            **outputs,
-            num_forward_passes=forward_passes,
-            accepted_per_step=(
-                tuple(sequences[0].accepted)
-                if len(sequences) == 1
-                else tuple(tuple(sequence.accepted) for sequence in sequences)
-            ),
-        )
+            if self.remembers:
+                learnt = self.state.recall(sequence.policy.shape)
+                if learnt is not None:
+                    sequence.policy.start_from(learnt)
+            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
+            sequence.context = ContextIndex() if config.pool_from_prompt else None
+        else:
+            sequence.policy = StaticStepPolicy()
+            sequence.context = None
+        verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
+        sequence.verifier = verifier_class(processors_for_row(self.logits_processor, sequence.index))
 
-    def _advance(
-        self,
-        sequence: SequenceState,
-        use_window: bool,
-        tree: TokenTree,
-        row_step: RowStep,
-        logits: torch.Tensor,
-        streamer: BaseStreamer | None,
-    ) -> list[int]:
+    def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[StepPlan]:
         """
-        Verifies one sequence's part of the step, appends what it accepted and updates its window, pool and policy.
+        Chooses each sequence's part of the step: whether its window runs, and its candidates. The forward pass costs
+        what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
+        the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
+        """
+        candidates = [self._candidates(sequence) for sequence in active]
+        room = self.committer.room()
+        budget = None
+        if self.fixed_length is not None:
+            # A compiled forward pass knows two step shapes: one token, or `fixed_length` tokens.
+            if room < self.fixed_length:
+                budget = 1
+            elif self.config.adaptive:
+                budget = self._batch_length(active, candidates, (1, self.fixed_length))
+        elif self.config.adaptive and len(active) > 1:
+            budget = self._batch_length(active, candidates)
+        plans = []
+        for sequence, (offered, window_allowed) in zip(active, candidates):
+            pending = sequence.pending.shape[0]
+            if budget == 1:
+                use_window, tree = False, offered.subtree([])
+            else:
+                use_window, tree = sequence.policy.plan(offered, window_allowed, pending, budget)
+            if room is not None:
+                # A static cache has room for `room` more entries: the step must fit, the window first to go.
+                if use_window and pending + len(sequence.window) + len(tree) > room:
+                    use_window = False
+                if pending + len(tree) > room:
+                    tree = tree.subtree(list(range(room - pending)))
+            window_tokens = sequence.window.flat() if use_window else None
+            row = layout.row(sequence.pending, sequence.position, window_tokens, tree)
+            plans.append(StepPlan(sequence, offered, tree, row))
+        return plans
+
+    def _candidates(self, sequence: SequenceState) -> tuple[TokenTree, bool]:
+        """The sequence's candidate tree for this step, and whether its window fits in the model's positions."""
+        config, tokens = self.config, sequence.tokens
+        position = sequence.position
+        position_room = (self.max_positions - 1 - position) if self.max_positions else sequence.limit
+        depth = min(config.levels, sequence.limit - sequence.length - 1, position_room)
+        window_allowed = position_room >= config.levels + self.window_size - 1
+        tree = sequence.pool.tree(tokens[-1], depth)
+        if sequence.context is not None:
+            sequence.context.update(tokens)
+            room = min(AUTO_CONTEXT_DEPTH, sequence.limit - sequence.length - 1, position_room)
+            tree.add_path(sequence.context.continuation(tokens, room))
+        return tree, window_allowed
+
+    def _accept(self, plan: StepPlan, logits: torch.Tensor, streamer: BaseStreamer | None) -> tuple[Verdict, int]:
+        """
+        Verifies one sequence's part of the step and appends what it accepted.
 
         Returns:
-            `list[int]`: the sequence's step rows whose cache entries to keep.
+            `tuple[Verdict, int]`: the verdict, and how many of its tokens the sequence kept (fewer where a stopping
+            criterion or the length limit fired inside the accepted chunk).
         """
-        config = self.config
+        sequence = plan.sequence
         verdict = sequence.verifier.verify(
-            logits, tree, row_step.tree_row, sequence.input_ids, sequence.limit - sequence.length
+            logits, plan.tree, plan.row.tree_row, sequence.input_ids, sequence.limit - sequence.length
         )
         kept = self._append(sequence, verdict)
         sequence.accepted.append(kept)
         self._stream(streamer, sequence, kept)
+        return verdict, kept
 
-        pending_length = sequence.pending.shape[0]
-        rows = list(range(pending_length))
-        if config.cache_commit == "gather":
-            node_start = pending_length + (len(sequence.window) if use_window else 0)
-            rows += [node_start + node for node in verdict.nodes[: kept - 1]]
-            sequence.pending = sequence.input_ids[0, -1:]
-        else:
-            sequence.pending = sequence.input_ids[0, -kept:]
-
-        sequence.policy.observe(tree, verdict, use_window, sequence.pool, sequence.tokens[-1])
-        if use_window:
-            for ngram in sequence.window.update(logits[1 : row_step.tree_row].argmax(-1)):
+    def _learn(
+        self, plan: StepPlan, verdict: Verdict, kept: int, logits: torch.Tensor, step_length: int, seconds: float
+    ) -> None:
+        """Moves one sequence past the step: its pending tokens, policy, window and pool."""
+        sequence, config = plan.sequence, self.config
+        sequence.pending = (
+            sequence.input_ids[0, -1:] if config.cache_commit == "gather" else sequence.input_ids[0, -kept:]
+        )
+        sequence.policy.observe(plan.offered, verdict, plan.row.window_used, sequence.pool, sequence.tokens[-1])
+        if self.follows_durations:
+            sequence.policy.observe_duration(step_length, seconds)
+        if plan.row.window_used:
+            for ngram in sequence.window.update(plan.row.window_top(logits).argmax(-1)):
                 sequence.pool.add(ngram[0], ngram[1:], from_window=True)
         sequence.tokens.extend(verdict.tokens[:kept])
         if config.pool_from_prompt:
             sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
-        return rows
+
+    def _settle(
+        self, sequences: list[SequenceState], active: list[SequenceState], slot_valid: torch.BoolTensor | None
+    ) -> tuple[list[SequenceState], torch.BoolTensor | None]:
+        """Marks finished sequences and drops them from the batch; returns the sequences still running."""
+        self._mark_finished(sequences)
+        running = [sequence for sequence in active if not sequence.done]
+        if running and len(running) < len(active):
+            slot_valid = self._keep_running(running, active, slot_valid)
+            if self.config.adaptive:
+                # A smaller batch makes each extra token per row cheaper again.
+                cost = self.cost.for_batch(len(running))
+                for sequence in running:
+                    sequence.policy.use_cost(cost)
+        return running, slot_valid
 
     def _initial_slots(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
@@ -450,54 +517,6 @@ class LookaheadDecoder:
         if attention_mask is None:
             return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         return attention_mask.bool()
-
-    def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[tuple[bool, TokenTree, RowStep]]:
-        """
-        Chooses each sequence's part of the step: whether its window runs, and its candidates. The forward pass costs
-        what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
-        the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
-        """
-        candidates = [self._candidates(sequence) for sequence in active]
-        room = self.committer.room()
-        budget = None
-        if self.fixed_length is not None:
-            # A compiled forward pass knows two step shapes: one token, or `fixed_length` tokens.
-            if room < self.fixed_length:
-                budget = 1
-            elif self.config.adaptive:
-                budget = self._batch_length(active, candidates, (1, self.fixed_length))
-        elif self.config.adaptive and len(active) > 1:
-            budget = self._batch_length(active, candidates)
-        plans = []
-        for sequence, (tree, window_allowed) in zip(active, candidates):
-            pending = sequence.pending.shape[0]
-            if budget == 1:
-                use_window, tree = False, tree.subtree([])
-            else:
-                use_window, tree = sequence.policy.plan(tree, window_allowed, pending, budget)
-            if room is not None:
-                # A static cache has room for `room` more entries: the step must fit, the window first to go.
-                if use_window and pending + len(sequence.window) + len(tree) > room:
-                    use_window = False
-                if pending + len(tree) > room:
-                    tree = tree.subtree(list(range(room - pending)))
-            window_tokens = sequence.window.flat() if use_window else None
-            plans.append((use_window, tree, layout.row(sequence.pending, sequence.position, window_tokens, tree)))
-        return plans
-
-    def _candidates(self, sequence: SequenceState) -> tuple[TokenTree, bool]:
-        """The sequence's candidate tree for this step, and whether its window fits in the model's positions."""
-        config, tokens = self.config, sequence.tokens
-        position = sequence.position
-        position_room = (self.max_positions - 1 - position) if self.max_positions else sequence.limit
-        depth = min(config.levels, sequence.limit - sequence.length - 1, position_room)
-        window_allowed = position_room >= config.levels + self.window_size - 1
-        tree = sequence.pool.tree(tokens[-1], depth)
-        if sequence.context is not None:
-            sequence.context.update(tokens)
-            room = min(AUTO_CONTEXT_DEPTH, sequence.limit - sequence.length - 1, position_room)
-            tree.add_path(sequence.context.continuation(tokens, room))
-        return tree, window_allowed
 
     @staticmethod
     def _batch_length(
@@ -536,7 +555,7 @@ class LookaheadDecoder:
         """
         model, generation_config = self.model, self.generation_config
         self.fixed_length = None
-        if not self.committer.is_static or not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        if not self.committer.is_static or not can_auto_compile(model, model_kwargs, generation_config):
             return
         self.forward.compile(generation_config.compile_config)
         longest = self.config.max_step_length(self.window_size)
@@ -578,7 +597,7 @@ class LookaheadDecoder:
                         break
         return kept
 
-    def _settle(self, sequences: list[SequenceState]) -> None:
+    def _mark_finished(self, sequences: list[SequenceState]) -> None:
         """
         Marks finished sequences. With an EOS criterion a sequence ends where its criteria fired. Without one, plain
         decoding runs every sequence to the length at which the last one's criteria fired: once that length is
@@ -596,14 +615,44 @@ class LookaheadDecoder:
                 sequence.input_ids = sequence.input_ids[:, :final_length]
                 sequence.done = True
 
+    def _outputs(
+        self, sequences: list[SequenceState], forward_passes: int, slot_valid: torch.BoolTensor | None
+    ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
+        output_ids = self._output_ids(sequences)
+        if not self.generation_config.return_dict_in_generate:
+            return output_ids
+        outputs = {
+            "sequences": output_ids,
+            "scores": self._per_token(sequences, "scores") if self.keep_scores else None,
+            "logits": self._per_token(sequences, "raw_logits") if self.keep_logits else None,
+            # With several sequences the cache holds unused slots and only the rows still running at the end.
+            "cache": self.forward.cache if slot_valid is None else None,
+        }
+        if self.forward.is_encoder_decoder:
+            steps = max(len(sequence.accepted) for sequence in sequences)
+            accepted = [sequence.accepted + [0] * (steps - len(sequence.accepted)) for sequence in sequences]
+            return LookaheadEncoderDecoderOutput(
+                **outputs,
+                num_forward_passes=torch.tensor([1 + len(sequence.accepted) for sequence in sequences]),
+                accepted_per_step=torch.tensor(accepted, dtype=torch.long).reshape(len(sequences), steps),
+            )
+        return LookaheadDecoderOnlyOutput(
+            **outputs,
+            num_forward_passes=forward_passes,
+            accepted_per_step=(
+                tuple(sequences[0].accepted)
+                if len(sequences) == 1
+                else tuple(tuple(sequence.accepted) for sequence in sequences)
+            ),
+        )
+
     def _output_ids(self, sequences: list[SequenceState]) -> torch.LongTensor:
         if len(sequences) == 1:
             return sequences[0].input_ids
         length = max(sequence.length for sequence in sequences)
-        pad = self.generation_config._pad_token_tensor
-        pad_id = int(pad) if pad is not None else 0
+        pad_id = pad_token_id(self.generation_config)
         rows = [
-            torch.nn.functional.pad(sequence.input_ids, (0, length - sequence.length), value=pad_id)
+            torch.nn.functional.pad(sequence.input_ids, (0, length - sequence.length), value=pad_id or 0)
             for sequence in sequences
         ]
         return torch.cat(rows, dim=0)
@@ -637,9 +686,7 @@ def processors_for_row(logits_processor: LogitsProcessorList, row: int) -> Logit
     adapted = LogitsProcessorList()
     for processor in logits_processor:
         if isinstance(processor, PrefixConstrainedLogitsProcessor):
-            processor = copy.copy(processor)
-            allowed = processor._prefix_allowed_tokens_fn
-            processor._prefix_allowed_tokens_fn = lambda _, ids, allowed=allowed: allowed(row, ids)
+            processor = bind_batch_index(processor, row)
         elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
             processor.prompt_ignore_length, torch.Tensor
         ):

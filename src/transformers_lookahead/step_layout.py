@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Cache
 
+from .compatibility import attention_implementation
 from .ngram_pool import TokenTree
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ class RowStep:
             token, the window's top level (if the window is in the step), every tree node.
         tree_row (`int`): the index in `logits_rows` of the first tree node.
         window_used (`bool`): whether the window is part of this step.
+        pending_length (`int`): k, the pending tokens the step starts with.
+        tree_start (`int`): the index in the step of the first tree node (after the pending tokens and the window).
     """
 
     input_ids: torch.LongTensor
@@ -41,10 +44,33 @@ class RowStep:
     logits_rows: torch.LongTensor
     tree_row: int
     window_used: bool
+    pending_length: int
+    tree_start: int
 
     @property
     def length(self) -> int:
         return self.input_ids.shape[0]
+
+    def window_top(self, logits: torch.Tensor) -> torch.Tensor:
+        """
+        The rows of this sequence's logits (shape `(len(logits_rows), vocab)`) at the window's top level: the next
+        Jacobi iteration of its guesses. Empty when the window is not part of the step.
+        """
+        return logits[1 : self.tree_row]
+
+    def kept_rows(self, matched_nodes: list[int], strategy: str) -> list[int]:
+        """
+        The step rows whose cache entries the sequence keeps: its pending tokens, then (for `"gather"`) the tree
+        nodes it accepted, in order. With `"refeed"` the accepted tokens are fed again by the next step instead.
+
+        Args:
+            matched_nodes (`list[int]`): the accepted tree nodes, top down.
+            strategy (`str`): `"gather"` or `"refeed"` (see `CacheCommitter`).
+        """
+        rows = list(range(self.pending_length))
+        if strategy == "gather":
+            rows += [self.tree_start + node for node in matched_nodes]
+        return rows
 
 
 @dataclass
@@ -60,19 +86,30 @@ class StepInputs:
             when the model mixes full and sliding layers; `None` for a single-token step of one unpadded sequence,
             which needs only the causal mask the model builds.
         logits_rows (`torch.LongTensor`): the step rows whose logits the forward pass computes (for every sequence).
-        row_logits (`list[torch.LongTensor]`): per sequence, where its `RowStep.logits_rows` are among
-            `logits_rows`.
+        row_logits (`list[torch.LongTensor | None]`): per sequence, where its `RowStep.logits_rows` are among
+            `logits_rows` (`None`: all of them, in order).
     """
 
     input_ids: torch.LongTensor
     position_ids: torch.LongTensor
     attention_mask: torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask] | None
     logits_rows: torch.LongTensor
-    row_logits: list[torch.LongTensor]
+    row_logits: list[torch.LongTensor | None]
 
     @property
     def length(self) -> int:
         return self.input_ids.shape[1]
+
+    def logits_of(self, row: int, logits: torch.Tensor) -> torch.Tensor:
+        """
+        One sequence's logits, in the order of its `RowStep.logits_rows`.
+
+        Args:
+            row (`int`): the sequence's row in the batch.
+            logits (`torch.Tensor` of shape `(batch, len(logits_rows), vocab)`): what the forward pass returned.
+        """
+        rows = self.row_logits[row]
+        return logits[row] if rows is None else logits[row, rows]
 
 
 @dataclass(frozen=True)
@@ -185,7 +222,7 @@ class StepLayout:
             levels (`int`): N - 1, levels of the window.
         """
         groups = attention_groups(cache, layer_types(model))
-        mask_format = MASK_FORMATS[model.config._attn_implementation]
+        mask_format = MASK_FORMATS[attention_implementation(model)]
         return cls(window, levels, groups, model.dtype, model.device, mask_format)
 
     def row(
@@ -225,7 +262,7 @@ class StepLayout:
         input_ids = torch.cat(parts_ids) if len(parts_ids) > 1 else pending
         positions = torch.cat(parts_pos)
         if length == 1:
-            return RowStep(input_ids, positions, None, self._last_row, tree_row, False)
+            return RowStep(input_ids, positions, None, self._last_row, tree_row, False, k, tree_start)
 
         visible = torch.zeros(length, length, dtype=torch.bool, device=device)
         visible[:, :k] = True
@@ -245,7 +282,9 @@ class StepLayout:
         if window_tokens is not None:
             logits_rows.append(self.top_rows + k)
         logits_rows.append(torch.arange(tree_start, length, device=device))
-        return RowStep(input_ids, positions, visible, torch.cat(logits_rows), tree_row, window_tokens is not None)
+        return RowStep(
+            input_ids, positions, visible, torch.cat(logits_rows), tree_row, window_tokens is not None, k, tree_start
+        )
 
     def build(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 from .cost_model import StepCostModel
@@ -59,27 +58,6 @@ class PolicyEstimates:
         )
 
 
-class EstimateMemory:
-    """
-    The estimates the last greedy call on each model ended with, so the next call starts from them instead of the
-    priors. Short generations (a transcript, a chat turn) otherwise spend most of their steps relearning that, say,
-    copied continuations rarely match. Entries are keyed by model (weakly: they go with the model) and by the
-    policy's shape. Sampled calls are not served: the candidates decide how many random numbers verification draws,
-    so a seeded sampled call must not depend on the calls before it.
-    """
-
-    def __init__(self):
-        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def recall(self, model, shape: tuple) -> PolicyEstimates | None:
-        """The estimates stored for `model` and a policy of this `shape`, if any."""
-        return self._by_model.get(model, {}).get(shape)
-
-    def remember(self, model, shape: tuple, estimates: PolicyEstimates) -> None:
-        """Stores `estimates` for the next call on `model` with a policy of this `shape`."""
-        self._by_model.setdefault(model, {})[shape] = estimates
-
-
 class StaticStepPolicy:
     """Every step holds the whole window and every candidate, as in the paper: the step shape is fixed."""
 
@@ -99,12 +77,12 @@ class StaticStepPolicy:
         """
         return window_allowed, tree
 
-    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
+    def observe(self, offered: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
         """
         Learns from a finished step (nothing to learn for a fixed shape).
 
         Args:
-            tree (`TokenTree`): the tree the step verified.
+            offered (`TokenTree`): every candidate offered for the step, verified or not.
             verdict (`Verdict`): what the step accepted.
             window_used (`bool`): whether the step ran the window.
             pool (`NGramPool`): the pool the candidates came from.
@@ -113,6 +91,9 @@ class StaticStepPolicy:
 
     def observe_duration(self, length: int, seconds: float) -> None:
         """Learns from the measured duration of a step (nothing to learn for a fixed shape)."""
+
+    def use_cost(self, cost: StepCostModel) -> None:
+        """Plans with `cost` from now on: the batch changed size (nothing to change for a fixed shape)."""
 
 
 class AdaptiveStepPolicy(StaticStepPolicy):
@@ -137,8 +118,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     parent), so one pass over the prefixes, with and without the window, finds the best step.
 
     Args:
-        cost (`StepCostModel`): forward cost against step length (per row) on this device and batch size; the
-            decoder swaps in a new one when finished rows leave the batch.
+        cost (`StepCostModel`): forward cost against step length (per row) on this device and batch size (see
+            `use_cost`).
         window_length (`int`): tokens the window adds to a step (W x (N - 1)).
         levels (`int`): N - 1, the deepest candidate.
         decay (`float`): weight kept by the running estimates at each step.
@@ -164,11 +145,14 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         self._window_credit, self._window_steps = 0.5, 1.0
         self._steps_without_window = 0
         self._levels = levels
-        self._offered_tree = TokenTree()
         self._single_token_seconds: float | None = None
         self._excess_scale = 1.0
         self._order: list[int] = []
         self._options_of: tuple[TokenTree, list] | None = None
+
+    def use_cost(self, cost: StepCostModel) -> None:
+        """Plans with `cost` from now on: finished rows left the batch, so each extra token per row costs less."""
+        self.cost = cost
 
     def step_cost(self, length: int) -> float:
         """The expected cost of a step of `length` tokens, in one-token steps."""
@@ -176,7 +160,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
 
     @property
     def shape(self) -> tuple:
-        """What estimates of another policy must match to be reused here (see `EstimateMemory`)."""
+        """What estimates of another policy must match to be reused here (see `LookaheadState`)."""
         return (self.window_length, len(self.match_rate), len(self.context_rate))
 
     def estimates(self) -> PolicyEstimates:
@@ -236,7 +220,6 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         """(length, expected tokens, window used, nodes verified) of every step, the nodes taken by probability."""
         if self._options_of is not None and self._options_of[0] is tree:
             return self._options_of[1]
-        self._offered_tree = tree
         probability = self.node_probabilities(tree)
         self._order = sorted(range(len(tree)), key=lambda node: -probability[node])
         options = []
@@ -289,14 +272,13 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             probability.append(max(pooled, copied))
         return probability
 
-    def observe(self, tree: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
+    def observe(self, offered: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
         # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
-        full_tree = self._offered_tree
-        self._learn_matches(full_tree, verdict.tokens)
-        for depth, node in enumerate(full_tree.context_path(), start=1):
+        self._learn_matches(offered, verdict.tokens)
+        for depth, node in enumerate(offered.context_path(), start=1):
             if depth > len(verdict.tokens):
                 break
-            hit = float(full_tree.tokens[node] == verdict.tokens[depth - 1])
+            hit = float(offered.tokens[node] == verdict.tokens[depth - 1])
             self.context_rate[depth] += (1 - self.decay) * (hit - self.context_rate[depth])
             if not hit:
                 break

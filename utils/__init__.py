@@ -1,0 +1,1 @@
+"""Tooling around the package: the benchmark, the real-model assets, the registry page."""
