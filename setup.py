@@ -14,7 +14,8 @@ setup(
     package_data={"transformers_lookahead": ["hub/README.md", "hub/custom_generate/*"]},
     include_package_data=True,
     python_requires=">=3.11",
-    install_requires=["torch>=2.4", "transformers>=5.23,<6", "safetensors"],
+    # 5.24: static cache layers can be cropped, which rolling a static cache back after a step needs.
+    install_requires=["torch>=2.4", "transformers>=5.24,<6", "safetensors"],
     extras_require={
         "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm"],
         "quality": ["ruff==0.17.6"],

@@ -25,21 +25,6 @@ if TYPE_CHECKING:
 
 # Cache layer classes whose `crop` puts them back as they were before a step (see `CacheCommitter`).
 ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)
-__all__ = [
-    "ROLLBACK_LAYERS",
-    "DynamicSlidingWindowLayer",
-    "StaticLayer",
-    "StaticSlidingWindowLayer",
-    "attention_implementation",
-    "bind_batch_index",
-    "can_auto_compile",
-    "mark_as_user_config",
-    "model_name_or_path",
-    "pad_token_id",
-    "prefill",
-    "prepare_cache_with_step_room",
-    "step_room",
-]
 
 # Extra static-cache room the current `generate` call needs for its lookahead steps. A context variable, not an
 # attribute of the model: each thread (each server worker) and each call sees its own value.
@@ -171,10 +156,14 @@ def check_private_apis() -> list[str]:
         "`GenerationMixin._valid_auto_compile_criteria(self, model_kwargs, generation_config)` "
         "(used by `can_auto_compile`)",
     )
-    config = GenerationConfig()
-    expect(hasattr(config, "_pad_token_tensor"), "`GenerationConfig._pad_token_tensor` (used by `pad_token_id`)")
+    prepare_special_tokens = getattr(GenerationMixin, "_prepare_special_tokens", None)
     expect(
-        hasattr(config, "_from_model_config"),
+        prepare_special_tokens is not None and "_pad_token_tensor" in inspect.getsource(prepare_special_tokens),
+        "`GenerationConfig._pad_token_tensor`, set by `GenerationMixin._prepare_special_tokens` (used by "
+        "`pad_token_id`)",
+    )
+    expect(
+        hasattr(GenerationConfig(), "_from_model_config"),
         "`GenerationConfig._from_model_config` (used by `mark_as_user_config`)",
     )
     processor = PrefixConstrainedLogitsProcessor(lambda batch_id, ids: [0], num_beams=1)

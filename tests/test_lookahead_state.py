@@ -1,0 +1,166 @@
+"""`LookaheadState`: what `"auto"` keeps between calls, held by the model, safe under threads."""
+
+import copy
+import pickle
+import tempfile
+import threading
+import unittest
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from transformers_lookahead import LookaheadConfig, LookaheadState, compatibility, enable_lookahead
+from transformers_lookahead import generate as lookahead_generate
+from transformers_lookahead.cost_model import measure_step_costs
+from transformers_lookahead.step_policy import PolicyEstimates
+
+from .utils import random_prompt, tiny_model
+
+GRID = (1, 2, 4, 8)
+
+
+def _counting_measurements():
+    return mock.patch(
+        "transformers_lookahead.cost_model.measure_step_costs",
+        side_effect=lambda model, encoder_outputs=None: measure_step_costs(model, GRID),
+    )
+
+
+class LookaheadStateTest(unittest.TestCase):
+    def test_cost_table_is_measured_once_per_state_and_kept_on_disk(self):
+        model = tiny_model("llama")
+        with tempfile.TemporaryDirectory() as tmp, _counting_measurements() as measure:
+            state = LookaheadState(cost_dir=tmp)
+            first = state.cost_model(model)
+            self.assertIs(state.cost_model(model), first)
+            self.assertEqual(measure.call_count, 1)
+            self.assertEqual(len(list(Path(tmp).glob("step-cost-*.json"))), 1)
+            LookaheadState(cost_dir=tmp).cost_model(model)
+            self.assertEqual(measure.call_count, 1, "a new state reads the kept table")
+
+    def test_no_directory_writes_nothing(self):
+        model = tiny_model("llama")
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.dict("os.environ", {"HOME": tmp, "HF_HOME": tmp}):
+            with _counting_measurements() as measure:
+                state = LookaheadState(cost_dir=None)
+                state.cost_model(model)
+                state.cost_model(model)
+                LookaheadState(cost_dir=None).cost_model(model)
+            self.assertEqual(measure.call_count, 2, "kept in memory per state")
+            self.assertEqual(list(Path(tmp).iterdir()), [])
+
+    def test_estimates_per_shape(self):
+        state = LookaheadState(cost_dir=None)
+        estimates = PolicyEstimates((0.5, 0.25), (0.5,), 1.0, 2.0)
+        state.remember((28, 5, 9), estimates)
+        self.assertEqual(state.recall((28, 5, 9)), estimates)
+        self.assertIsNone(state.recall((4, 5, 9)))
+
+    def test_copies_start_empty(self):
+        state = LookaheadState(cost_dir=None)
+        state.remember((1,), PolicyEstimates((0.5,), (0.5,), 1.0, 1.0))
+        for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
+            self.assertIsNone(copied.recall((1,)))
+            self.assertIsNone(copied.cost_dir)
+
+    def test_enable_lookahead_gives_a_state_once(self):
+        model = enable_lookahead(tiny_model("llama"))
+        state = model.lookahead_state
+        self.assertIsInstance(state, LookaheadState)
+        self.assertIs(enable_lookahead(model).lookahead_state, state, "enabling again keeps the state")
+        mine = LookaheadState(cost_dir=None)
+        self.assertIs(enable_lookahead(model, state=mine).lookahead_state, mine)
+        with self.assertRaisesRegex(TypeError, "`state` must be a `LookaheadState`"):
+            enable_lookahead(model, state={})
+
+
+class ConcurrentCallsTest(unittest.TestCase):
+    """One enabled model, several threads calling `generate` at once: every caller gets its own exact output."""
+
+    def test_threads_get_their_own_exact_outputs(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompts = [random_prompt(12 + 4 * i, seed=i) for i in range(6)]
+        settings = [{"lookahead_window": "auto"}, {"lookahead_window": 4, "lookahead_guess": 3}, {}]
+        expected = [model.generate(p, max_new_tokens=40, do_sample=False) for p in prompts]
+        attributes = set(vars(model))
+        seen_attributes = []
+        model.register_forward_hook(lambda *_: seen_attributes.append(set(vars(model))))
+        results: dict[tuple[int, int], torch.Tensor] = {}
+        errors = []
+        barrier = threading.Barrier(len(prompts))
+
+        def call(index: int) -> None:
+            try:
+                barrier.wait(timeout=60)
+                for round_ in range(2):
+                    kwargs = settings[(index + round_) % len(settings)]
+                    results[index, round_] = model.generate(
+                        prompts[index], max_new_tokens=40, do_sample=False, return_dict_in_generate=True, **kwargs
+                    )
+            except Exception as error:  # reported below, with the thread's index
+                errors.append((index, error))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        self.assertFalse(any(thread.is_alive() for thread in threads), "a thread did not finish")
+        self.assertEqual(errors, [])
+        speculated = 0
+        for (index, _), out in results.items():
+            self.assertTrue(torch.equal(out.sequences, expected[index]), f"thread {index}")
+            if hasattr(out, "accepted_per_step"):
+                speculated += max(out.accepted_per_step) > 1
+        self.assertGreater(speculated, 0, "lookahead calls accepted several tokens in some step")
+        self.assertTrue(all(seen == attributes for seen in seen_attributes), "no attribute set on the model")
+
+    def test_static_cache_room_is_per_call(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(16, seed=3)
+        plain = model.generate(prompt, max_new_tokens=20, do_sample=False, cache_implementation="static")
+        looked = model.generate(
+            prompt,
+            max_new_tokens=20,
+            do_sample=False,
+            cache_implementation="static",
+            lookahead_window=4,
+            return_dict_in_generate=True,
+        )
+        self.assertTrue(torch.equal(looked.sequences, plain))
+        room = LookaheadConfig(window=4).max_step_length()
+        # Plain decoding never caches its last token: its static cache holds prompt + new tokens - 1.
+        self.assertEqual(looked.cache.layers[0].max_cache_len, 16 + 20 - 1 + room)
+        self.assertEqual(compatibility._STEP_ROOM.get(), 0, "the room ends with the call")
+
+    def test_step_room_is_per_thread(self):
+        inside, seen = threading.Event(), []
+
+        def holder():
+            with compatibility.step_room(7):
+                seen.append(compatibility._STEP_ROOM.get())
+                inside.set()
+                release.wait(timeout=30)
+
+        release = threading.Event()
+        thread = threading.Thread(target=holder)
+        thread.start()
+        inside.wait(timeout=30)
+        seen.append(compatibility._STEP_ROOM.get())
+        release.set()
+        thread.join(timeout=30)
+        self.assertEqual(seen, [7, 0])
+
+
+class UnenabledModelTest(unittest.TestCase):
+    def test_custom_generate_on_a_plain_model_sets_nothing_on_it(self):
+        model = tiny_model("llama")
+        prompt = random_prompt(20, seed=5)
+        attributes = set(vars(model))
+        expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        out = model.generate(
+            prompt, max_new_tokens=24, do_sample=False, custom_generate=lookahead_generate, lookahead_window="auto"
+        )
+        self.assertTrue(torch.equal(out, expected))
+        self.assertEqual(set(vars(model)), attributes)

@@ -1,0 +1,84 @@
+"""What the package ships: the generation strategy, and nothing from the tooling around it."""
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+import zipfile
+from pathlib import Path
+
+import transformers_lookahead
+
+ROOT = Path(__file__).resolve().parents[1]
+# Everything `generate` needs, and only that.
+STRATEGY_MODULES = {
+    "__init__",
+    "cache_commit",
+    "compatibility",
+    "configuration_lookahead",
+    "cost_model",
+    "generation_mixin",
+    "lookahead_decoding",
+    "lookahead_state",
+    "lookahead_window",
+    "ngram_pool",
+    "step_forward",
+    "step_layout",
+    "step_policy",
+    "verification",
+}
+HUB_FILES = {"hub/README.md", "hub/custom_generate/generate.py", "hub/custom_generate/requirements.txt"}
+
+
+class WheelContentsTest(unittest.TestCase):
+    def test_wheel_holds_the_strategy_only(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            # Built from a copy: building writes `build/` and `*.egg-info` next to the sources.
+            source = Path(tmp) / "source"
+            shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            for name in ("setup.py", "pyproject.toml", "README.md"):
+                shutil.copy(ROOT / name, source / name)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp, source],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
+            (wheel,) = Path(tmp).glob("transformers_lookahead-*.whl")
+            names = zipfile.ZipFile(wheel).namelist()
+        package = sorted(n.removeprefix("transformers_lookahead/") for n in names if "dist-info" not in n)
+        modules = {name.removesuffix(".py") for name in package if "/" not in name}
+        self.assertEqual(modules, STRATEGY_MODULES)
+        self.assertEqual(set(package) - {f"{module}.py" for module in modules}, HUB_FILES)
+        self.assertEqual({n.split("/")[0] for n in names if "dist-info" not in n}, {"transformers_lookahead"})
+
+
+class PublicApiTest(unittest.TestCase):
+    def test_all_lists_what_users_call(self):
+        self.assertEqual(
+            set(transformers_lookahead.__all__),
+            {
+                "HUB_FOLDER",
+                "LookaheadConfig",
+                "LookaheadDecoderOnlyOutput",
+                "LookaheadEncoderDecoderOutput",
+                "LookaheadGenerationMixin",
+                "LookaheadState",
+                "enable_lookahead",
+                "generate",
+                "generate_with_lookahead",
+            },
+        )
+        for name in transformers_lookahead.__all__:
+            self.assertTrue(hasattr(transformers_lookahead, name), name)
+
+    def test_the_package_imports_no_tooling(self):
+        # A fresh interpreter: what importing the package pulls in, nothing the tests loaded before.
+        code = "import sys, transformers_lookahead; print(' '.join(m for m in ('matplotlib', 'gguf') if m in sys.modules))"
+        loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
+        self.assertEqual(loaded.stdout.strip(), "")
+        for module in STRATEGY_MODULES:
+            source = (Path(transformers_lookahead.__file__).parent / f"{module}.py").read_text()
+            for tooling in ("import argparse", "import subprocess", "import matplotlib", "pip download"):
+                self.assertNotIn(tooling, source, f"{module}.py")
