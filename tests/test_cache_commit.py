@@ -9,7 +9,7 @@ from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_forward import cache_argument
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
 
-from .utils import random_prompt, tiny_model
+from .utils import flat_step_costs, random_prompt, tiny_model
 
 
 class CacheCommitTest(unittest.TestCase):
@@ -180,11 +180,14 @@ class CompiledStepTest(unittest.TestCase):
         compile_config._compile_all_devices = True  # what lets plain `generate` compile on a CPU too
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        out = model.generate(
-            prompt, compile_config=compile_config, lookahead_window=window, return_dict_in_generate=True, **common
-        )
+        # With a flat cost table, as on an accelerator, "auto" takes full fixed-length steps wherever guesses exist,
+        # whatever this machine's timings say.
+        with flat_step_costs():
+            out = model.generate(
+                prompt, compile_config=compile_config, lookahead_window=window, return_dict_in_generate=True, **common
+            )
         self.assertTrue(torch.equal(out.sequences, expected))
-        if window != "auto":  # "auto" may find no step worth its fixed length on this model
-            self.assertLess(out.num_forward_passes, 40, "multi-token steps must have run")
+        self.assertGreater(max(out.accepted_per_step), 1, "multi-token steps must have run")
+        self.assertLess(out.num_forward_passes, 40)
         self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 2)
         self.assertEqual(sum(torch._dynamo.utils.counters["recompiles"].values()), 0)

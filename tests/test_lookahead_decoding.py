@@ -215,11 +215,20 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
         self.assertTrue(torch.equal(out, expected))
 
     def test_max_time(self):
-        # A budget already spent when the first token is appended: both stop right there.
-        expected = self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, max_time=1e-9)
-        out = self.model.generate(self.prompt, max_new_tokens=30, do_sample=False, max_time=1e-9, lookahead_window=4)
-        self.assertEqual(expected.shape[1], self.prompt.shape[1] + 1)
-        self.assertTrue(torch.equal(out, expected))
+        # A clock that moves one second each time the criterion reads it (once per appended token): the budget runs
+        # out at the same token for both, after lookahead steps have accepted several tokens at once.
+        def ticking_clock():
+            ticks = iter(range(10_000))
+            return mock.patch("transformers.generation.stopping_criteria.time.time", side_effect=lambda: next(ticks))
+
+        common = {"max_new_tokens": 60, "do_sample": False, "max_time": 30.5}
+        with ticking_clock():
+            expected = self.model.generate(self.prompt, **common)
+        with ticking_clock():
+            out = self.model.generate(self.prompt, lookahead_window=4, return_dict_in_generate=True, **common)
+        self.assertEqual(expected.shape[1], self.prompt.shape[1] + 31)
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.assertGreater(max(out.accepted_per_step), 1, "the budget must stop a call that speculates")
 
     def test_streamer_receives_the_same_tokens(self):
         plain, lookahead = RecordingStreamer(), RecordingStreamer()

@@ -1,7 +1,4 @@
-import subprocess
-import sys
 import unittest
-from pathlib import Path
 
 import torch
 from parameterized import parameterized
@@ -123,34 +120,3 @@ class FlexAttentionMaskTest(unittest.TestCase):
         layout = StepLayout.for_model(model, DynamicCache(config=model.config), 3, 2)
         step = layout.build(DynamicCache(), [layout.row(torch.tensor([4, 5]), 1, None, pool_tree(5, [[6]], 1))])
         self.assertIsInstance(step.attention_mask, BlockMask)
-
-    def test_generation_on_flex_attention_is_exact(self):
-        """
-        Greedy lookahead through PyTorch's flex kernel. Lookahead refuses flex attention on the CPU because PyTorch
-        2.13 fails to compile some later kernels; the masks themselves are checked here, in a fresh process (one
-        compilation sequence) with that refusal lifted.
-        """
-        script = """
-import torch
-from unittest import mock
-from transformers_lookahead import enable_lookahead
-from tests.utils import random_prompt, tiny_model
-
-model = enable_lookahead(tiny_model("llama", "sdpa"))
-prompt = random_prompt(20, seed=6)
-expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
-model.set_attn_implementation("flex_attention")
-with mock.patch("transformers_lookahead.configuration_lookahead.check_attention_implementation"):
-    output = model.generate(
-        prompt, max_new_tokens=30, do_sample=False, lookahead_window=4, return_dict_in_generate=True
-    )
-print("EXACT" if torch.equal(output.sequences, expected) else "DIFFERENT", max(output.accepted_per_step))
-"""
-        root = Path(__file__).parents[1]
-        result = subprocess.run(
-            [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600, check=False
-        )
-        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        verdict, most_accepted = result.stdout.split()[-2:]
-        self.assertEqual(verdict, "EXACT")
-        self.assertGreater(int(most_accepted), 1, "no step accepted a guess: the test would not see a wrong mask")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import transformers
 
+from transformers_lookahead import LookaheadState
+from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 
 VOCAB = 96
@@ -159,3 +163,11 @@ def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree
     for continuation in continuations:
         pool.add(key, continuation)
     return pool.tree(key, depth)
+
+
+def flat_step_costs():
+    """
+    Makes `"auto"` plan with a flat cost table (every step length costs one token, as on an accelerator) instead of
+    this machine's measured one, so its steps do not depend on the timings of a shared CPU.
+    """
+    return mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel({1: 1.0, 64: 1.0}))
