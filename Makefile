@@ -1,4 +1,4 @@
-# transformers-lookahead: `make bench` runs the benchmark on the real model, `make test` the test suite.
+# transformers-lookahead: `make bench` runs a quick benchmark on the real model, `make test` the test suite.
 # Both create .venv and install what they need on a fresh machine.
 
 PYTHON ?= python3
@@ -8,8 +8,11 @@ PY := $(VENV)/bin/python
 # multi-GB CUDA build on a machine without a GPU. Set TORCH_SPEC="torch" (or a CUDA pin) on a GPU machine.
 TORCH_SPEC ?= torch==2.13.0
 BENCH_ARGS ?=
+# The oldest Transformers setup.py allows: `make test-oldest` runs the suite against it.
+TRANSFORMERS_OLDEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' setup.py)
+OLDEST_VENV ?= .venv-oldest
 
-.PHONY: install test quality style bench cost-curve clean
+.PHONY: install test test-oldest quality style bench bench-full cost-curve gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +25,12 @@ install: $(PY)
 test: install
 	RUN_SLOW=$${RUN_SLOW:-1} $(PY) -m pytest tests -v -p no:cacheprovider --durations=15
 
+# The suite (without the slow real-model tests) against the oldest Transformers allowed, in its own venv.
+test-oldest:
+	$(MAKE) install VENV=$(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet "transformers==$(TRANSFORMERS_OLDEST)"
+	RUN_SLOW=0 $(OLDEST_VENV)/bin/python -m pytest tests -q -p no:cacheprovider
+
 quality: install
 	$(VENV)/bin/ruff check src tests utils
 	$(VENV)/bin/ruff format --check src tests utils
@@ -30,11 +39,20 @@ style: install
 	$(VENV)/bin/ruff check --fix src tests utils
 	$(VENV)/bin/ruff format src tests utils
 
+# About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, table and plot in bench_out/.
 bench: install
 	$(PY) utils/benchmark.py $(BENCH_ARGS)
+
+# The README's table: 16 + 16 prompts, every method, 3 repeats, window sweep (about an hour on 2 cores).
+bench-full: install
+	$(PY) utils/benchmark.py --full $(BENCH_ARGS)
 
 cost-curve: install
 	$(PY) utils/benchmark.py --cost-curve $(BENCH_ARGS)
 
+# Accelerator checks on tiny random models (no network); DEVICE=cpu runs them on the CPU.
+gpu-check: install
+	$(PY) utils/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

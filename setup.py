@@ -17,7 +17,9 @@ setup(
     # 5.24: static cache layers can be cropped, which rolling a static cache back after a step needs.
     install_requires=["torch>=2.4", "transformers>=5.24,<6", "safetensors"],
     extras_require={
-        "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm"],
+        # `transformers[serving]` brings `transformers serve` and the `openai` client the serving tests use.
+        "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm", "transformers[serving]"],
+        "serving": ["transformers[serving]"],
         "quality": ["ruff==0.17.6"],
         "benchmark": ["gguf", "accelerate", "tqdm", "matplotlib"],
     },

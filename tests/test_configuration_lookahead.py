@@ -28,6 +28,13 @@ class LookaheadConfigTest(unittest.TestCase):
     def test_no_window_means_off(self):
         self.assertIsNone(LookaheadConfig.from_sources({}, GenerationConfig()))
 
+    def test_off_turns_a_saved_setting_off(self):
+        saved = GenerationConfig(lookahead_window="auto", lookahead_ngram=4)
+        self.assertIsNone(LookaheadConfig.from_sources({"lookahead_window": "off"}, saved))
+        self.assertIsNone(LookaheadConfig.from_sources(GenerationConfig(lookahead_window="off"), default_window=4))
+        self.assertEqual(LookaheadConfig.from_sources({}, saved, default_window=7).window, "auto")
+        self.assertEqual(LookaheadConfig.from_sources({}, GenerationConfig(), default_window=7).window, 7)
+
     def test_fields_without_window_are_refused(self):
         with self.assertRaisesRegex(ValueError, "`lookahead_ngram` set without `lookahead_window`"):
             LookaheadConfig.from_sources({"lookahead_ngram": 3})

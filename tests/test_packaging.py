@@ -22,6 +22,7 @@ STRATEGY_MODULES = {
     "lookahead_decoding",
     "lookahead_state",
     "lookahead_window",
+    "model_folder",
     "ngram_pool",
     "step_forward",
     "step_layout",
@@ -68,6 +69,7 @@ class PublicApiTest(unittest.TestCase):
                 "enable_lookahead",
                 "generate",
                 "generate_with_lookahead",
+                "save_lookahead_model",
             },
         )
         for name in transformers_lookahead.__all__:

@@ -3,7 +3,8 @@ Side-by-side benchmark of greedy, prompt lookup and lookahead decoding on SmolLM
 HumanEval prompts (or Whisper tiny.en transcribing MT-Bench questions read aloud, `--whisper`). Methods run
 interleaved per prompt, so machine noise hits them alike.
 
-    python utils/benchmark.py --dataset all --num-prompts 16 --repeats 3
+    python utils/benchmark.py                 # quick: 5 + 5 prompts, greedy / prompt lookup / auto (~10 min, 2 cores)
+    python utils/benchmark.py --full          # the README's table: 16 + 16 prompts, every method, 3 repeats
     python utils/benchmark.py --whisper --num-prompts 8 --repeats 3  # needs espeak-ng
     python utils/benchmark.py --cost-curve
     python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
@@ -49,7 +50,11 @@ METHODS = {
     "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
     "lookahead_auto": {"lookahead_window": "auto"},
 }
-DEFAULT_METHODS = list(METHODS)
+# The methods of the README's table; the quick run (the default) keeps the three a first look needs.
+FULL_METHODS = list(METHODS)
+QUICK_METHODS = ["greedy", "prompt_lookup", "lookahead_auto"]
+QUICK = {"num_prompts": 5, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
+FULL = {"num_prompts": 16, "repeats": 3, "methods": FULL_METHODS, "sweep_prompts": 4}
 
 
 def _compile_everywhere():
@@ -696,20 +701,29 @@ def run_cost_curve(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, fetched and converted once)")
     parser.add_argument("--dataset", choices=["mt_bench", "humaneval", "all"], default="all")
     parser.add_argument("--split", choices=["tuning", "held_out"], default="tuning")
-    parser.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the full run (16 + 16 prompts, every method, 3 repeats, window sweep: about an hour on 2 cores) "
+        "instead of the quick one (5 + 5 prompts, greedy / prompt lookup / auto, 2 repeats: about 10 minutes)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (quick 5, full 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
+    parser.add_argument("--repeats", type=int, default=None, help="runs per prompt and method (quick 2, full 3)")
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts for the compression-vs-window sweep")
+    parser.add_argument(
+        "--sweep-prompts", type=int, default=None, help="prompts for the compression-vs-window sweep (quick 0, full 4)"
+    )
     parser.add_argument("--cost-curve", action="store_true", help="measure forward cost against step length")
     parser.add_argument(
         "--sampling", action="store_true", help="plain vs lookahead sampling, with a distribution check"
@@ -725,6 +739,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
+    preset = FULL if args.full else QUICK
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.command = "python utils/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -32,6 +32,8 @@ SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 DEFAULT_NGRAM = 5
 AUTO = "auto"
+# `lookahead_window="off"` turns lookahead off for a call even where the model's generation config turns it on.
+OFF = "off"
 # What "auto" means for the n-gram size and the pool size: the adaptive policy prunes the candidates of every step
 # to those worth their cost, so the pool can be generous.
 AUTO_NGRAM = 5
@@ -50,7 +52,8 @@ class LookaheadConfig:
     Args:
         window (`int` or `"auto"`):
             W, the number of Jacobi window columns: how many future positions are guessed in parallel. Must be >= 1.
-            `"auto"` picks W from the measured cost of a forward pass on this device and lets each step choose
+            (`"off"` in a `generate` call or a generation config turns lookahead off: no `LookaheadConfig` is
+            built.) `"auto"` picks W from the measured cost of a forward pass on this device and lets each step choose
             whether to run the window and which candidates to verify (see `AdaptiveStepPolicy`).
         ngram (`int` or `"auto"`):
             N, the n-gram size. The window has N - 1 levels and every candidate n-gram proposes N - 1 tokens.
@@ -75,7 +78,7 @@ class LookaheadConfig:
 
     def __post_init__(self):
         if self.window != AUTO:
-            _check_int("lookahead_window", self.window, minimum=1)
+            _check_int("lookahead_window", self.window, minimum=1, also=f'"{AUTO}", or "{OFF}" to turn it off')
         if self.ngram == AUTO:
             object.__setattr__(self, "ngram", AUTO_NGRAM)
         _check_int("lookahead_ngram", self.ngram, minimum=2)
@@ -116,7 +119,7 @@ class LookaheadConfig:
         return pending + window * self.levels + self.guess * self.levels + context
 
     @classmethod
-    def from_sources(cls, *sources: Any) -> LookaheadConfig | None:
+    def from_sources(cls, *sources: Any, default_window: int | str | None = None) -> LookaheadConfig | None:
         """
         Builds the configuration from the first source that sets each field.
 
@@ -124,9 +127,13 @@ class LookaheadConfig:
             sources:
                 Mappings (`generate` keyword arguments) or objects with attributes (`GenerationConfig`), highest
                 priority first. `None` values count as unset.
+            default_window (`int` or `"auto"`, *optional*):
+                The window when no source sets `lookahead_window` (what a `custom_generate` entry point uses).
 
         Returns:
-            `LookaheadConfig` or `None`: `None` when no source sets `lookahead_window`, meaning lookahead is off.
+            `LookaheadConfig` or `None`: `None` when lookahead is off: `lookahead_window` is unset (and there is no
+            default), or set to `"off"` by the highest-priority source that sets it (what turns a saved setting off
+            for one call or one request).
         """
         values = {}
         for field in LOOKAHEAD_FIELDS:
@@ -135,7 +142,10 @@ class LookaheadConfig:
                 if value is not None:
                     values[field] = value
                     break
-        if values.get("lookahead_window") is None:
+        window = values.get("lookahead_window", default_window)
+        if isinstance(window, str) and window == OFF:
+            return None
+        if window is None:
             unused = sorted(values)
             if unused:
                 raise ValueError(
@@ -144,7 +154,7 @@ class LookaheadConfig:
                 )
             return None
         return cls(
-            window=values["lookahead_window"],
+            window=window,
             ngram=values.get("lookahead_ngram", DEFAULT_NGRAM),
             guess=values.get("lookahead_guess"),
             pool_from_prompt=values.get("lookahead_pool_from_prompt", True),
@@ -152,9 +162,9 @@ class LookaheadConfig:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int, also: str = f'"{AUTO}"') -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f'`{name}` must be an integer >= {minimum} or "auto", got {value!r}.')
+        raise ValueError(f"`{name}` must be an integer >= {minimum} or {also}, got {value!r}.")
 
 
 def check_cache_implementation(cache_implementation: str | None) -> None:

@@ -67,15 +67,16 @@ def generate_with_lookahead(
         inputs (`torch.Tensor`, *optional*): as for `generate`.
         generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
         default_window (`int` or `"auto"`, *optional*): the window to use when nothing sets `lookahead_window`;
-            `None` leaves such calls to plain `generate`.
+            `None` leaves such calls to plain `generate`. A `lookahead_window="off"` always does.
         kwargs: the other `generate` arguments, `lookahead_*` ones included.
     """
     overrides = {field: kwargs.pop(field) for field in LOOKAHEAD_FIELDS if field in kwargs}
     config = LookaheadConfig.from_sources(
-        overrides, generation_config or {}, getattr(model, "generation_config", None) or {}
+        overrides,
+        generation_config or {},
+        getattr(model, "generation_config", None) or {},
+        default_window=default_window,
     )
-    if config is None and default_window is not None:
-        config = LookaheadConfig(window=default_window)
     # Inputs travel positionally only when given: pipelines pass them by the model's own name (`input_features`).
     inputs_argument = () if inputs is None else (inputs,)
     if config is None:

@@ -139,7 +139,12 @@ def generate(
             "lookahead_pool_from_prompt": lookahead_pool_from_prompt,
             "lookahead_cache_commit": lookahead_cache_commit,
         }
-        config = LookaheadConfig.from_sources(arguments, generation_config) or LookaheadConfig(window=DEFAULT_WINDOW)
+        config = LookaheadConfig.from_sources(arguments, generation_config, default_window=DEFAULT_WINDOW)
+        if config is None:
+            raise ValueError(
+                '`lookahead_window="off"` turns lookahead decoding off, but `custom_generate=transformers_lookahead.'
+                "generate` is the lookahead decoding loop: remove `custom_generate` to decode without lookahead."
+            )
     validate_lookahead_setup(model, generation_config, model_kwargs, lookahead_assistant_model)
     if synced_gpus:
         raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")

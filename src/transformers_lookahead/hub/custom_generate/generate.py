@@ -1,9 +1,37 @@
-"""Hub entry point: `model.generate(..., custom_generate=<this repository>, trust_remote_code=True)`."""
+"""
+Hub entry point: `model.generate(..., custom_generate=<this folder>, trust_remote_code=True)`, or the `generate` of a
+model loaded with `from_pretrained(folder, trust_remote_code=True)` from a folder written by `save_lookahead_model`
+(what `transformers serve FOLDER --trust-remote-code` does).
+"""
 
 from transformers_lookahead import generate_with_lookahead
 from transformers_lookahead.lookahead_decoding import DEFAULT_WINDOW
 
+try:  # present where `transformers serve` runs
+    from starlette.exceptions import HTTPException
+except ImportError:  # pragma: no cover - plain Python use
+    HTTPException = None
+
 
 def generate(model, *args, **kwargs):
     """Runs `generate` with lookahead decoding; `lookahead_*` arguments and generation config fields apply."""
-    return generate_with_lookahead(model, *args, default_window=DEFAULT_WINDOW, **kwargs)
+    try:
+        return generate_with_lookahead(model, *args, default_window=DEFAULT_WINDOW, **kwargs)
+    except ValueError as error:
+        if HTTPException is None:
+            raise
+        # A refused setting is the request's fault: a server answers 422 with the message instead of a bare 500.
+        raise RequestSettingsError(str(error)) from error
+
+
+if HTTPException is not None:
+
+    class RequestSettingsError(ValueError, HTTPException):
+        """A `ValueError` that web frameworks built on Starlette (`transformers serve`) answer with a 422."""
+
+        def __init__(self, message: str):
+            ValueError.__init__(self, message)
+            HTTPException.__init__(self, status_code=422, detail=message)
+
+        def __str__(self) -> str:
+            return self.detail

@@ -1,0 +1,168 @@
+"""
+`transformers serve` with lookahead decoding (slow: the real SmolLM2 model; RUN_SLOW=1, as `make test` does).
+
+One real server process on 127.0.0.1 and a free port serves the folder `save_lookahead_model` wrote (`"auto"`), with
+`--trust-remote-code`; the tests talk to it with the real `openai` client. The reference is the same server with
+`lookahead_window="off"` in the request's generation config, and plain greedy `generate` in this process.
+"""
+
+import json
+import threading
+import time
+import unittest
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.testing_utils import slow
+
+from utils.serving import ServeProcess, lookahead_folder
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List three facts about the Moon.",
+    'def is_palindrome(text):\n    """Return True if text reads the same backwards."""',
+    "Explain what a hash table is in two sentences.",
+]
+MAX_TOKENS = 40
+OFF = {"generation_config": json.dumps({"lookahead_window": "off"})}
+
+
+@slow
+class ServeTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import openai
+
+        cls.folder = lookahead_folder("auto")
+        cls.server = ServeProcess(cls.folder, trust_remote_code=True).__enter__()
+        cls.model_id = str(cls.folder)
+        cls.client = openai.OpenAI(base_url=cls.server.base_url, api_key="unused", timeout=600, max_retries=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def _chat(self, prompt: str, stream: bool = False, **kwargs):
+        return self.client.chat.completions.create(
+            model=self.model_id,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=kwargs.pop("max_tokens", MAX_TOKENS),
+            temperature=kwargs.pop("temperature", 0),
+            stream=stream,
+            **kwargs,
+        )
+
+    def _text(self, prompt: str, **kwargs) -> str:
+        return self._chat(prompt, **kwargs).choices[0].message.content
+
+    def _streamed(self, prompt: str, **kwargs) -> tuple[str, list[float]]:
+        """The concatenated text of a streamed answer, and when each text chunk arrived."""
+        parts, arrivals = [], []
+        for chunk in self._chat(prompt, stream=True, **kwargs):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                arrivals.append(time.perf_counter())
+        return "".join(parts), arrivals
+
+    def test_greedy_answers_equal_plain_greedy(self):
+        tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32)
+        for prompt in PROMPTS[:2]:
+            with self.subTest(prompt=prompt):
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+                )["input_ids"]
+                plain = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+                expected = tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
+                self.assertEqual(self._text(prompt), expected)
+                self.assertEqual(self._text(prompt, extra_body=OFF), expected)
+
+    def test_stream_equals_the_answer_and_sends_accepted_chunks_together(self):
+        prompt = PROMPTS[2]
+        text, arrivals = self._streamed(prompt, max_tokens=64)
+        self.assertEqual(text, self._text(prompt, max_tokens=64))
+        # A step's accepted tokens leave the server in one write: some chunks arrive together. Plain decoding sends
+        # one token per forward pass (tens of milliseconds apart on this CPU).
+        together = sum(later - earlier < 0.005 for earlier, later in zip(arrivals, arrivals[1:]))
+        self.assertGreater(together, 0, "no step sent several tokens at once")
+
+    def test_completions_endpoint(self):
+        prompt = "The three primary colors are"
+        answer = self.client.completions.create(model=self.model_id, prompt=prompt, max_tokens=24, temperature=0)
+        plain = self.client.completions.create(
+            model=self.model_id, prompt=prompt, max_tokens=24, temperature=0, extra_body=OFF
+        )
+        self.assertEqual(answer.choices[0].text, plain.choices[0].text)
+        self.assertTrue(answer.choices[0].text)
+
+    def test_request_options_behave_as_without_lookahead(self):
+        prompt = PROMPTS[0]
+        options = [
+            {"max_tokens": 7},
+            {"stop": ["\n"]},
+            {"frequency_penalty": 0.5},
+            {"logit_bias": {"28": 5.0, "1": -100.0}},
+        ]
+        for kwargs in options:
+            with self.subTest(options=kwargs):
+                looked = self._text(prompt, **kwargs)
+                plain = self._text(prompt, **kwargs, extra_body=OFF)
+                self.assertEqual(looked, plain)
+        # Sampling: the same seed gives the same text (lookahead keeps plain sampling's distribution, not its
+        # random draws, so texts match plain sampling in distribution rather than token for token).
+        sampled = [self._text(prompt, temperature=0.7, seed=11, max_tokens=24) for _ in range(2)]
+        self.assertEqual(sampled[0], sampled[1])
+
+    def test_request_settings_and_turning_lookahead_off(self):
+        prompt = PROMPTS[3]
+        reference = self._text(prompt, extra_body=OFF)
+        for settings in ({"lookahead_window": 4, "lookahead_ngram": 3}, {"lookahead_window": "auto"}):
+            with self.subTest(settings=settings):
+                body = {"generation_config": json.dumps({**settings, "max_new_tokens": MAX_TOKENS})}
+                self.assertEqual(self._text(prompt, extra_body=body), reference)
+
+    def test_invalid_settings_are_refused_and_the_server_keeps_serving(self):
+        import openai
+
+        cases = [
+            ({"lookahead_window": -1}, "lookahead_window"),
+            ({"lookahead_window": "abc"}, "lookahead_window"),
+            ({"lookahead_window": 4, "num_beams": 2}, "num_beams"),
+        ]
+        for settings, field in cases:
+            with self.subTest(settings=settings):
+                body = {"generation_config": json.dumps(settings)}
+                with self.assertRaises(openai.APIStatusError) as context:
+                    self._chat(PROMPTS[1], extra_body=body)
+                self.assertEqual(context.exception.status_code, 422)
+                self.assertIn(field, str(context.exception))
+                self.assertTrue(self._text(PROMPTS[1], max_tokens=8))
+
+    def test_concurrent_streaming_clients_and_one_that_disconnects(self):
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+        expected = {prompt: self._text(prompt) for prompt in set(prompts)}
+        results, errors = {}, []
+
+        def client(index: int) -> None:
+            try:
+                results[index] = self._streamed(prompts[index])[0]
+            except Exception as error:  # reported below with the client's index
+                errors.append((index, repr(error)))
+
+        def quitter() -> None:
+            stream = self._chat(PROMPTS[0], stream=True, max_tokens=200)
+            for received, _ in enumerate(stream):
+                if received == 3:
+                    stream.close()  # the connection drops mid-answer
+                    return
+
+        threads = [threading.Thread(target=quitter)] + [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=600)
+        self.assertFalse(any(thread.is_alive() for thread in threads), "a client did not finish")
+        self.assertEqual(errors, [])
+        for index, prompt in enumerate(prompts):
+            self.assertEqual(results[index], expected[prompt], f"client {index}")
+        self.assertEqual(self._text(PROMPTS[1]), expected[PROMPTS[1]], "the server serves on")

@@ -1,0 +1,223 @@
+"""
+`make gpu-check`: the checks that need an accelerator, in one prepared command (at most 8 minutes on one GPU), with
+tiny random models built in the run (nothing from the network). Also runs on the CPU (`DEVICE=cpu`), where CI keeps
+it working.
+
+    python utils/gpu_check.py                 # DEVICE=cuda if available, else cpu
+    DEVICE=cpu python utils/gpu_check.py --output gpu_check.json
+
+Checks (each prints one line; the run fails if an exactness check fails):
+- exactness in fp32: greedy lookahead (W=4 and "auto") token-identical to plain greedy, several families;
+- bf16: how many tokens differ from plain bf16 greedy (reported, never failed: bf16 logits of a multi-token step
+  are not bitwise those of a one-token step);
+- flex attention with the step's `BlockMask` (generation on an accelerator; on the CPU the refusal is checked);
+- static cache with `torch.compile` (inductor on an accelerator, the eager backend on the CPU);
+- offloaded cache: refused with its reason;
+- a left-padded batch against batched greedy;
+- the cost curve: forward time against step length on a ~100M-parameter random Llama (a smaller one on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from tests.utils import random_prompt, tiny_model  # noqa: E402
+from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
+from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
+
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
+NEW_TOKENS = 48
+
+
+class Report:
+    """Collects one record per check and prints it as it comes."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def add(self, check: str, passed: bool | None, **details) -> None:
+        status = {True: "ok", False: "FAILED", None: "info"}[passed]
+        self.records.append({"check": check, "status": status, **details})
+        shown = ", ".join(f"{key}={value}" for key, value in details.items())
+        print(f"[{status:>6}] {check}: {shown}", flush=True)
+
+    @property
+    def failed(self) -> list[str]:
+        return [record["check"] for record in self.records if record["status"] == "FAILED"]
+
+
+def _model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, attn: str | None = None):
+    model = tiny_model(name, attn).to(device=device, dtype=dtype)
+    # Cost tables of this run stay in memory: the check writes nothing but its report.
+    return enable_lookahead(model, state=LookaheadState(cost_dir=None))
+
+
+def _greedy_pair(model, prompt: torch.Tensor, **kwargs) -> tuple[torch.Tensor, object]:
+    common = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
+    plain = model.generate(prompt, **common, **{k: v for k, v in kwargs.items() if not k.startswith("lookahead")})
+    out = model.generate(prompt, return_dict_in_generate=True, **common, **kwargs)
+    return plain, out
+
+
+def check_exactness(report: Report, device: torch.device) -> None:
+    for name in FAMILIES:
+        model = _model(name, device)
+        prompt = random_prompt(24, seed=1).to(device)
+        for window in (4, "auto"):
+            plain, out = _greedy_pair(model, prompt, lookahead_window=window)
+            report.add(
+                f"fp32 exact {name} W={window}",
+                bool(torch.equal(out.sequences, plain)),
+                tokens_per_forward=round(NEW_TOKENS / out.num_forward_passes, 2),
+            )
+
+
+def check_bf16(report: Report, device: torch.device) -> None:
+    differing = total = 0
+    for name in FAMILIES:
+        model = _model(name, device, torch.bfloat16)
+        for seed in range(3):
+            prompt = random_prompt(24, seed=seed).to(device)
+            plain, out = _greedy_pair(model, prompt, lookahead_window=4)
+            length = min(plain.shape[1], out.sequences.shape[1])
+            first = (plain[0, :length] != out.sequences[0, :length]).nonzero()
+            # Tokens after the first difference follow another text: count from there to the end.
+            differing += 0 if first.numel() == 0 else length - int(first[0])
+            total += NEW_TOKENS
+    report.add("bf16 mismatch rate", None, differing_tokens=differing, tokens=total, rate=round(differing / total, 4))
+
+
+def check_flex(report: Report, device: torch.device) -> None:
+    model = _model("llama", device, attn="sdpa")
+    prompt = random_prompt(20, seed=6).to(device)
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    model.set_attn_implementation("flex_attention")
+    if device.type == "cpu":
+        try:
+            model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window=4)
+            report.add("flex attention refused on the CPU", False)
+        except ValueError as error:
+            report.add("flex attention refused on the CPU", "not available on the CPU" in str(error))
+        return
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window=4, return_dict_in_generate=True)
+    report.add(
+        "flex attention BlockMask exact",
+        bool(torch.equal(out.sequences, expected)),
+        most_accepted=max(out.accepted_per_step),
+    )
+
+
+def check_static_compile(report: Report, device: torch.device) -> None:
+    model = _model("llama", device)
+    prompt = random_prompt(20, seed=6).to(device)
+    common = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "cache_implementation": "static"}
+    expected = model.generate(prompt, **common)
+    config = transformers.CompileConfig(backend="inductor" if device.type != "cpu" else "eager")
+    config._compile_all_devices = True  # a CPU run compiles too (plain generate compiles only on accelerators)
+    for window in (4, "auto"):
+        started = time.perf_counter()
+        out = model.generate(
+            prompt, lookahead_window=window, compile_config=config, return_dict_in_generate=True, **common
+        )
+        report.add(
+            f"static cache + torch.compile W={window}",
+            bool(torch.equal(out.sequences, expected)),
+            backend=config.backend,
+            seconds=round(time.perf_counter() - started, 1),
+            tokens_per_forward=round(NEW_TOKENS / out.num_forward_passes, 2),
+        )
+
+
+def check_offloaded(report: Report, device: torch.device) -> None:
+    model = _model("llama", device)
+    prompt = random_prompt(20, seed=6).to(device)
+    try:
+        model.generate(prompt, max_new_tokens=8, cache_implementation="offloaded", lookahead_window=4)
+        report.add("offloaded cache refused", False)
+    except ValueError as error:
+        report.add("offloaded cache refused", "offloaded caches move layers" in str(error))
+
+
+def check_batch(report: Report, device: torch.device) -> None:
+    model = _model("qwen3", device)
+    rows = [random_prompt(length, seed=length)[0] for length in (6, 17, 11, 24)]
+    width = max(row.shape[0] for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - row.shape[0] :], mask[b, width - row.shape[0] :] = row, 1
+    inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    plain, out = _greedy_pair(model, None, **inputs, lookahead_window="auto")
+    report.add(
+        "left-padded batch of 4 exact",
+        bool(torch.equal(out.sequences, plain)),
+        most_accepted=max(max(steps) for steps in out.accepted_per_step),
+    )
+
+
+def check_cost_curve(report: Report, device: torch.device) -> None:
+    size = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16}
+    if device.type == "cpu":
+        size = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8}
+    config = transformers.LlamaConfig(vocab_size=32000, num_key_value_heads=size["num_attention_heads"] // 2, **size)
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    grid = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    relative = measure_step_costs(model, grid)
+    report.add(
+        "cost curve",
+        None,
+        parameters_m=round(sum(p.numel() for p in model.parameters()) / 1e6),
+        dtype=str(dtype).removeprefix("torch."),
+        relative_cost={length: round(cost, 2) for length, cost in relative.items()},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default=None, help="where to write the JSON report (default: print only)")
+    args = parser.parse_args(argv)
+    device = torch.device(os.environ.get("DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    report = Report()
+    environment = {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    print(json.dumps(environment), flush=True)
+    started = time.perf_counter()
+    for check in (
+        check_exactness,
+        check_bf16,
+        check_flex,
+        check_static_compile,
+        check_offloaded,
+        check_batch,
+        check_cost_curve,
+    ):
+        try:
+            check(report, device)
+        except Exception as error:  # one broken check must not hide the others' results
+            report.add(check.__name__, False, error=f"{type(error).__name__}: {error}"[:500])
+    seconds = round(time.perf_counter() - started, 1)
+    print(f"{len(report.records)} checks in {seconds} s; failed: {report.failed or 'none'}", flush=True)
+    if args.output:
+        Path(args.output).write_text(
+            json.dumps({"environment": environment, "seconds": seconds, "checks": report.records}, indent=1)
+        )
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
