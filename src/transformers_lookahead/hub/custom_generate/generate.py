@@ -13,8 +13,12 @@ except ImportError:  # pragma: no cover - plain Python use
     HTTPException = None
 
 
-def generate(model, *args, **kwargs):
-    """Runs `generate` with lookahead decoding; `lookahead_*` arguments and generation config fields apply."""
+def generate(*args, model, **kwargs):
+    """
+    Runs `generate` with lookahead decoding; `lookahead_*` arguments and generation config fields apply. `model` is
+    keyword-only: `from_pretrained` binds it with `functools.partial(generate, model=...)`, so the inputs of
+    `model.generate(input_ids, ...)` arrive positionally.
+    """
     try:
         return generate_with_lookahead(model, *args, default_window=DEFAULT_WINDOW, **kwargs)
     except ValueError as error:
