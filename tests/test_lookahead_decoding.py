@@ -250,7 +250,11 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
                 "cache_implementation='quantized' cannot be used",
             ),
             ("attentions", {"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
-            ("window", {"lookahead_window": 0}, '`lookahead_window` must be an integer >= 1 or "auto", got 0'),
+            (
+                "window",
+                {"lookahead_window": 0},
+                '`lookahead_window` must be an integer >= 1 or "auto", or "off" to turn it off, got 0',
+            ),
             ("ngram", {"lookahead_ngram": 1}, '`lookahead_ngram` must be an integer >= 2 or "auto", got 1'),
             ("guess", {"lookahead_guess": -2}, '`lookahead_guess` must be an integer >= 0 or "auto", got -2'),
         ]

@@ -183,3 +183,20 @@ def check_private_apis() -> list[str]:
             f"`transformers.cache_utils.{layer.__name__}` with `crop` and `is_sliding` (see `ROLLBACK_LAYERS`)",
         )
     return problems
+
+
+def tensor_parallel_group(model: PreTrainedModel) -> Any | None:
+    """
+    The process group a tensor-parallel model's collectives run in (from `tp_plan="auto"` or a `DistributedConfig`),
+    or `None` for a model that was not sharded: the model's device mesh (`PreTrainedModel._device_mesh`), its `"tp"`
+    dimension when it has several.
+    """
+    size = getattr(model, "tp_size", None)
+    if not size or size <= 1:
+        return None
+    import torch.distributed as dist
+
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return dist.group.WORLD
+    return mesh.get_group("tp") if mesh.ndim > 1 else mesh.get_group()

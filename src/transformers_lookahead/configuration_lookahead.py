@@ -241,6 +241,15 @@ def validate_lookahead_setup(
             "to use the usual decoding."
         )
     check_attention_implementation(model)
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if len({str(device) for device in device_map.values()}) > 1:
+        raise ValueError(
+            f"Lookahead decoding does not support a model split over devices by `device_map` (this one spans "
+            f"{sorted({str(device) for device in device_map.values()})}): the layers run one after another, each "
+            "step's mask and positions would cross devices inside the forward pass, and this split was never tested. "
+            'Shard the model with tensor parallelism instead (`from_pretrained(path, tp_plan="auto")` under '
+            "`torchrun`), or load it on one device."
+        )
     conflicts = {
         "num_beams": (generation_config.num_beams or 1) > 1,
         "prompt_lookup_num_tokens": generation_config.prompt_lookup_num_tokens is not None,

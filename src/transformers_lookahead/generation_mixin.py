@@ -99,7 +99,7 @@ def generate_with_lookahead(
     decoding = functools.partial(
         lookahead_generate,
         lookahead_config=config,
-        lookahead_state=getattr(model, "lookahead_state", None) or LookaheadState(),
+        lookahead_state=getattr(model, "lookahead_state", None),
         lookahead_streamer=kwargs.pop("streamer", None),
         lookahead_assistant_model=kwargs.pop("assistant_model", None),
     )

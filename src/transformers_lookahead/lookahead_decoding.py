@@ -23,6 +23,7 @@ from .cost_model import COST_GRID
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool, TokenTree
+from .rank_sync import RankSync
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import RowStep, StepLayout
 from .step_policy import AdaptiveStepPolicy, PolicyEstimates, StaticStepPolicy, choose_window
@@ -274,12 +275,16 @@ class LookaheadDecoder:
         self.committer = committer
         self.forward = forward
         self.state = state if state is not None else LookaheadState()
+        # Tensor-parallel ranks must take identical steps (see `RankSync`); `None` on one device.
+        self.sync = RankSync.for_model(model)
         if config.adaptive:
             # The cost table is per model, not per batch: an encoder-decoder model is timed over one input.
             first_input = None
             if forward.is_encoder_decoder:
                 first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
             self.cost = self.state.cost_model(model, encoder_outputs=first_input)
+            if self.sync is not None:
+                self.cost = self.sync.agree(self.cost)
             self.window_size = choose_window(self.cost.for_batch(batch_size), config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
@@ -295,8 +300,10 @@ class LookaheadDecoder:
         # Greedy adaptive calls carry what they learnt to the next call (see `LookaheadState`).
         self.remembers = config.adaptive and not generation_config.do_sample
         # The candidates decide how many random numbers sampled verification draws: a sampled call plans from the cost
-        # table only, not from step times, so that a seed reproduces it.
-        self.follows_durations = not generation_config.do_sample
+        # table only, not from step times, so that a seed reproduces it. Step times also differ between the ranks of
+        # a tensor-parallel model, which must plan alike.
+        self.follows_durations = not generation_config.do_sample and self.sync is None
+        self._carried: dict[tuple, PolicyEstimates | None] = {}
 
     def run(
         self,
@@ -318,8 +325,13 @@ class LookaheadDecoder:
         active = [sequence for sequence in sequences if not sequence.done]
         if active and len(active) < len(sequences):
             slot_valid = self._keep_running(active, sequences, slot_valid)
-        while active:
-            plans = self._plan(active, layout)
+        while True:
+            plans = self._plan(active, layout) if active else []
+            if self.sync is not None:
+                # Every rank takes this step, or stops here, together.
+                self.sync.check(forward_passes, step_fingerprint(plans))
+            if not plans:
+                break
             step = layout.build(self.committer.cache, [plan.row for plan in plans], slot_valid, self.fixed_length)
             started = time.perf_counter()
             logits = self.forward(step)
@@ -394,7 +406,7 @@ class LookaheadDecoder:
                 context_depth=AUTO_CONTEXT_DEPTH,
             )
             if self.remembers:
-                learnt = self.state.recall(sequence.policy.shape)
+                learnt = self._carried_estimates(sequence.policy.shape)
                 if learnt is not None:
                     sequence.policy.start_from(learnt)
             # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
@@ -404,6 +416,13 @@ class LookaheadDecoder:
             sequence.context = None
         verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
         sequence.verifier = verifier_class(processors_for_row(self.logits_processor, sequence.index))
+
+    def _carried_estimates(self, shape: tuple) -> PolicyEstimates | None:
+        """What the last greedy call left for a policy of this shape; rank 0's under tensor parallelism."""
+        if shape not in self._carried:
+            learnt = self.state.recall(shape)
+            self._carried[shape] = learnt if self.sync is None else self.sync.agree(learnt)
+        return self._carried[shape]
 
     def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[StepPlan]:
         """
@@ -677,6 +696,18 @@ class LookaheadDecoder:
     def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
         if streamer is not None and kept:
             streamer.put(sequence.input_ids[0, -kept:].cpu())
+
+
+def step_fingerprint(plans: list[StepPlan]) -> int:
+    """
+    A digest of a step's decisions: which sequences take part, how long each is, and every token each feeds (its
+    pending tokens, window and candidates, in layout order). 0 when there is no step.
+    """
+    if not plans:
+        return 0
+    return hash(
+        tuple((plan.sequence.index, plan.sequence.length, tuple(plan.row.input_ids.tolist())) for plan in plans)
+    )
 
 
 def processors_for_row(logits_processor: LogitsProcessorList, row: int) -> LogitsProcessorList:
