@@ -13,14 +13,13 @@ import unittest
 from pathlib import Path
 
 import torch
-import transformers
 from transformers.testing_utils import slow
 
 from utils.assets import smollm2_path
 from utils.serving import free_port
 
 from .distribution_check import homogeneity_p_value, token_counts
-from .utils import INIT_RANGE, tiny_model
+from .utils import SMALL_VOCABULARY, small_vocabulary_model, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # Families with full attention, QK norms, and sliding layers; their 4 heads and 2 KV heads split over 2 ranks.
@@ -57,24 +56,6 @@ def run_ranks(ranks: int, out: Path, args: list[str], timeout: float = 900) -> l
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
-def small_vocabulary_tp_model():
-    """A one-layer random Llama over 12 tokens whose 2 heads and 2 KV heads split over 2 ranks."""
-    config = transformers.LlamaConfig(
-        vocab_size=12,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        initializer_range=INIT_RANGE,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 class TensorParallelTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -85,7 +66,7 @@ class TensorParallelTest(unittest.TestCase):
             folder = root / name
             tiny_model(name).save_pretrained(folder)
             folders.append(str(folder))
-        small_vocabulary_tp_model().save_pretrained(root / "small")
+        small_vocabulary_model(key_value_heads=2).save_pretrained(root / "small")
         out = root / "out"
         out.mkdir()
         cls.reports = run_ranks(2, out, [*folders, "--sampling", str(root / "small")])
@@ -142,8 +123,8 @@ class TensorParallelTest(unittest.TestCase):
 
     def test_sampling_keeps_the_distribution(self):
         samples = self.reports[0]["sampling"]
-        plain = token_counts(torch.tensor(samples["plain"]), 12)
-        looked = token_counts(torch.tensor(samples["lookahead"]), 12)
+        plain = token_counts(torch.tensor(samples["plain"]), SMALL_VOCABULARY)
+        looked = token_counts(torch.tensor(samples["lookahead"]), SMALL_VOCABULARY)
         for position in range(plain.shape[0]):
             with self.subTest(position=position):
                 # False alarm 1e-5 per position, as the other sampling tests.

@@ -132,15 +132,18 @@ def tiny_model(name: str, attn_implementation: str | None = None, seed: int = 0)
 SMALL_VOCABULARY = 12
 
 
-def small_vocabulary_model():
-    """A one-layer random Llama over 12 tokens: small enough to compare sampled distributions token by token."""
+def small_vocabulary_model(key_value_heads: int = 1):
+    """
+    A one-layer random Llama over 12 tokens: small enough to compare sampled distributions token by token. With
+    `key_value_heads=2` its 2 heads and 2 KV heads split over 2 tensor-parallel ranks.
+    """
     config = transformers.LlamaConfig(
         vocab_size=SMALL_VOCABULARY,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=key_value_heads,
         initializer_range=INIT_RANGE,
         pad_token_id=0,
         eos_token_id=None,

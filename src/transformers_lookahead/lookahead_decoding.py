@@ -343,11 +343,7 @@ class LookaheadDecoder:
                 plan.row.kept_rows(verdict.nodes[: kept - 1], self.config.cache_commit)
                 for plan, (verdict, kept) in zip(plans, verdicts)
             ]
-            added = self.committer.commit(step.length, kept_rows)
-            if slot_valid is not None:
-                kept_counts = torch.tensor([len(rows) for rows in kept_rows], device=slot_valid.device)
-                new_slots = torch.arange(added, device=slot_valid.device)[None, :] < kept_counts[:, None]
-                slot_valid = torch.cat([slot_valid, new_slots], dim=1)
+            slot_valid = self._commit(step.length, kept_rows, slot_valid)
             for b, (plan, (verdict, kept)) in enumerate(zip(plans, verdicts)):
                 self._learn(plan, verdict, kept, step.logits_of(b, logits), step.length, elapsed)
             active, slot_valid = self._settle(sequences, active, slot_valid)
@@ -507,6 +503,17 @@ class LookaheadDecoder:
         sequence.tokens.extend(verdict.tokens[:kept])
         if config.pool_from_prompt:
             sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
+
+    def _commit(
+        self, step_length: int, kept_rows: list[list[int]], slot_valid: torch.BoolTensor | None
+    ) -> torch.BoolTensor | None:
+        """Keeps each sequence's accepted entries in the cache; returns the slot map with the step's new slots."""
+        added = self.committer.commit(step_length, kept_rows)
+        if slot_valid is None:
+            return None
+        kept_counts = torch.tensor([len(rows) for rows in kept_rows], device=slot_valid.device)
+        new_slots = torch.arange(added, device=slot_valid.device)[None, :] < kept_counts[:, None]
+        return torch.cat([slot_valid, new_slots], dim=1)
 
     def _settle(
         self, sequences: list[SequenceState], active: list[SequenceState], slot_valid: torch.BoolTensor | None
