@@ -24,6 +24,7 @@ STRATEGY_MODULES = {
     "lookahead_window",
     "model_folder",
     "ngram_pool",
+    "rank_sync",
     "step_forward",
     "step_layout",
     "step_policy",
