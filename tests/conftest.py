@@ -4,17 +4,20 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from transformers_lookahead.cost_model import COST_DIR_VARIABLE
 
-_created: list[str] = []
+_DIRECTORY = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
     directory = tempfile.mkdtemp(prefix="lookahead-cost-tables-")
-    _created.append(directory)
+    config.stash[_DIRECTORY] = directory
     os.environ[COST_DIR_VARIABLE] = directory
 
 
 def pytest_unconfigure(config):
-    for directory in _created:
+    directory = config.stash.get(_DIRECTORY, None)
+    if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)

@@ -2,13 +2,17 @@
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers_lookahead import enable_lookahead
-from utils.assets import chat_input_ids, smollm2_path, tuning_prompts
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from transformers_lookahead import enable_lookahead  # noqa: E402
+from utils.assets import chat_input_ids, smollm2_path, tuning_prompts  # noqa: E402
 
 
 def main():
