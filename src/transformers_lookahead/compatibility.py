@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -68,8 +69,6 @@ def bind_batch_index(processor: PrefixConstrainedLogitsProcessor, row: int) -> P
     A copy of a `PrefixConstrainedLogitsProcessor` that applies to one row of the batch, called on that row alone:
     the user's `prefix_allowed_tokens_fn` (`_prefix_allowed_tokens_fn`) gets the row's index in the original batch.
     """
-    import copy
-
     bound = copy.copy(processor)
     allowed = processor._prefix_allowed_tokens_fn
     bound._prefix_allowed_tokens_fn = lambda _, ids: allowed(row, ids)

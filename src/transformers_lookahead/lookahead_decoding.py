@@ -285,10 +285,11 @@ class LookaheadDecoder:
             self.cost = self.state.cost_model(model, encoder_outputs=first_input)
             if self.sync is not None:
                 self.cost = self.sync.agree(self.cost)
-            self.window_size = choose_window(self.cost.for_batch(batch_size), config.levels, AUTO_MAX_WINDOW)
+            # Computed once: every row's policy starts from the cost of a step of the whole batch.
+            self.batch_cost = self.cost.for_batch(batch_size)
+            self.window_size = choose_window(self.batch_cost, config.levels, AUTO_MAX_WINDOW)
         else:
             self.window_size = config.window
-        self.batch_size = batch_size
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = max_positions(model)
         return_dict = generation_config.return_dict_in_generate
@@ -396,7 +397,7 @@ class LookaheadDecoder:
         sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
         if config.adaptive:
             sequence.policy = AdaptiveStepPolicy(
-                self.cost.for_batch(self.batch_size),
+                self.batch_cost,
                 self.window_size * config.levels,
                 config.levels,
                 context_depth=AUTO_CONTEXT_DEPTH,
