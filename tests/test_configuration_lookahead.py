@@ -56,13 +56,33 @@ class LookaheadConfigTest(unittest.TestCase):
             ("lookahead_guess", -1, "`lookahead_guess` must be an integer >= 0"),
             ("lookahead_pool_from_prompt", "yes", "`lookahead_pool_from_prompt` must be a bool"),
             ("lookahead_cache_commit", "copy", "`lookahead_cache_commit` must be one of"),
+            ("lookahead_memory", "yes", "`lookahead_memory` must be a bool"),
+            ("lookahead_memory_size", 0, "`lookahead_memory_size` must be an integer >= 1"),
+            ("lookahead_memory_size", "big", "`lookahead_memory_size` must be an integer >= 1"),
+            ("lookahead_memory_size", True, "`lookahead_memory_size` must be an integer >= 1"),
+            ("lookahead_memory_namespace", "", "`lookahead_memory_namespace` must be a string of 1 to 64"),
+            ("lookahead_memory_namespace", "../etc", "`lookahead_memory_namespace` must be a string of 1 to 64"),
+            ("lookahead_memory_namespace", ".hidden", "`lookahead_memory_namespace` must be a string of 1 to 64"),
+            ("lookahead_memory_namespace", 7, "`lookahead_memory_namespace` must be a string of 1 to 64"),
         ]
     )
     def test_invalid_values(self, field, value, message):
-        sources = {"lookahead_window": 4, field: value}
+        sources = {"lookahead_window": "auto", field: value}
         with self.assertRaisesRegex(ValueError, message) as context:
             LookaheadConfig.from_sources(sources)
         self.assertIn(repr(value), str(context.exception))
+
+    def test_memory_defaults(self):
+        auto = LookaheadConfig.from_sources({"lookahead_window": "auto"})
+        self.assertEqual((auto.memory, auto.memory_size, auto.memory_namespace), (True, 65536, "default"))
+        self.assertFalse(LookaheadConfig.from_sources({"lookahead_window": 4}).memory)
+        self.assertFalse(LookaheadConfig.from_sources({"lookahead_window": "auto", "lookahead_memory": False}).memory)
+
+    def test_memory_with_a_fixed_window_is_refused(self):
+        with self.assertRaisesRegex(
+            ValueError, '`lookahead_memory=True` needs `lookahead_window="auto"`.*got lookahead_window=4'
+        ):
+            LookaheadConfig.from_sources({"lookahead_window": 4, "lookahead_memory": True})
 
     def test_generation_config_round_trip(self):
         generation_config = GenerationConfig(
@@ -73,3 +93,10 @@ class LookaheadConfigTest(unittest.TestCase):
             loaded = GenerationConfig.from_pretrained(tmp)
         config = LookaheadConfig.from_sources(loaded)
         self.assertEqual((config.window, config.ngram, config.guess, config.pool_from_prompt), (7, 4, 6, False))
+        memory_config = GenerationConfig(
+            lookahead_window="auto", lookahead_memory_size=1000, lookahead_memory_namespace="tenant-a"
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            memory_config.save_pretrained(tmp)
+            config = LookaheadConfig.from_sources(GenerationConfig.from_pretrained(tmp))
+        self.assertEqual((config.memory, config.memory_size, config.memory_namespace), (True, 1000, "tenant-a"))

@@ -76,15 +76,17 @@ class ModelFolderTest(unittest.TestCase):
             [
                 {"prompt": prompt, **common},  # the saved fields
                 {"prompt": prompt, **common, "lookahead_window": "auto"},  # a call's own settings win
+                {"prompt": prompt, **common, "lookahead_window": "auto"},  # answered from the suffix memory
                 {"prompt": prompt, **common, "lookahead_window": "off"},  # plain decoding
                 {"prompt": prompt, **common, "num_beams": 2},  # another strategy: refused
                 {"prompt": prompt, **common, "lookahead_window": -1},  # a bad value: refused
             ],
         )
-        saved, auto, off, beams, bad = results
-        for result in (saved, auto, off):
+        saved, auto, again, off, beams, bad = results
+        for result in (saved, auto, again, off):
             self.assertTrue(torch.equal(torch.tensor(result["tokens"]), self.expected))
         self.assertLess(saved["passes"], 40, "the saved lookahead fields were used")
+        self.assertLess(again["passes"], auto["passes"], "the model keeps its state, memory included, across calls")
         self.assertEqual(off["passes"], 40, "one pass per token without lookahead")
         self.assertIn("cannot be combined with `num_beams`", beams["error"])
         self.assertIn("`lookahead_window` must be an integer >= 1", bad["error"])

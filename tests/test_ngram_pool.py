@@ -1,6 +1,7 @@
 import unittest
 
 from transformers_lookahead.ngram_pool import ContextIndex, NGramPool, TokenTree
+from transformers_lookahead.suffix_memory import MemoryMatch
 
 
 class NGramPoolTest(unittest.TestCase):
@@ -105,3 +106,23 @@ class ContextIndexTest(unittest.TestCase):
         self.assertEqual([tree.tokens[n] for n in tree.context_path()], [1, 5, 6])
         self.assertEqual(tree.counts[tree.child(-1, 1)], 1)
         self.assertEqual(tree.depths[tree.context_path()[-1]], 3)
+
+    def test_memory_merges_into_the_tree_with_counts(self):
+        pool = NGramPool(continuation_length=2, max_per_key=2)
+        pool.add(0, [1, 2])
+        tree = pool.tree(0, 2)
+        tree.add_memory(MemoryMatch(3, ((1, 2, 7), (1, 5), (8,))), max_nodes=10)
+        self.assertEqual((tree.memory_total, tree.memory_match), (3, 3))
+        one = tree.child(-1, 1)
+        self.assertEqual(tree.memory_counts[one], 2)
+        self.assertEqual(tree.counts[one], 1, "the pool's count is kept apart")
+        self.assertEqual(tree.memory_counts[tree.child(tree.child(one, 2), 7)], 1)
+        self.assertEqual(len(tree), 5)
+        kept = tree.subtree([one, tree.child(one, 5)])
+        self.assertEqual((kept.memory_counts, kept.memory_total, kept.memory_match), ([2, 1], 3, 3))
+
+    def test_memory_adds_at_most_max_nodes(self):
+        tree = TokenTree()
+        tree.add_memory(MemoryMatch(1, ((1, 2, 3), (4, 5, 6))), max_nodes=4)
+        self.assertEqual(tree.tokens, [1, 2, 3, 4])
+        self.assertEqual(tree.memory_total, 2)

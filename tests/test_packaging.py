@@ -28,6 +28,7 @@ STRATEGY_MODULES = {
     "step_forward",
     "step_layout",
     "step_policy",
+    "suffix_memory",
     "verification",
 }
 HUB_FILES = {"hub/README.md", "hub/custom_generate/generate.py", "hub/custom_generate/requirements.txt"}

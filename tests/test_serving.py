@@ -7,14 +7,18 @@ One real server process on 127.0.0.1 and a free port serves the folder `save_loo
 """
 
 import json
+import tempfile
 import threading
 import time
 import unittest
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.testing_utils import slow
 
+from transformers_lookahead.lookahead_state import MEMORY_DIR_VARIABLE
+from transformers_lookahead.suffix_memory import read_memory_file, vocabulary_key
 from utils.serving import ServeProcess, lookahead_folder
 
 PROMPTS = [
@@ -131,6 +135,7 @@ class ServeTest(unittest.TestCase):
             ({"lookahead_window": -1}, "lookahead_window"),
             ({"lookahead_window": "abc"}, "lookahead_window"),
             ({"lookahead_window": 4, "num_beams": 2}, "num_beams"),
+            ({"lookahead_memory_namespace": "../other-tenant"}, "lookahead_memory_namespace"),
         ]
         for settings, field in cases:
             with self.subTest(settings=settings):
@@ -169,3 +174,43 @@ class ServeTest(unittest.TestCase):
         for index, prompt in enumerate(prompts):
             self.assertEqual(results[index], expected[prompt], f"client {index}")
         self.assertEqual(self._text(PROMPTS[1]), expected[PROMPTS[1]], "the server serves on")
+
+
+@slow
+class ServeMemoryTest(unittest.TestCase):
+    """With `TRANSFORMERS_LOOKAHEAD_MEMORY_DIR`, a restarted server starts from the memory the last one kept."""
+
+    def test_memory_survives_a_restart_and_namespaces_stay_apart(self):
+        import openai
+
+        folder = lookahead_folder("auto")
+        with tempfile.TemporaryDirectory() as memory_dir:
+            environment = {MEMORY_DIR_VARIABLE: memory_dir}
+            answers = []
+            for prompt in PROMPTS[:2]:
+                with ServeProcess(folder, trust_remote_code=True, environment=environment) as server:
+                    client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
+                    answers.append(
+                        client.chat.completions.create(
+                            model=str(folder),
+                            messages=[{"role": "user", "content": prompt}],
+                            max_tokens=16,
+                            temperature=0,
+                        )
+                    )
+                    if len(answers) == 2:
+                        tenant = {"generation_config": json.dumps({"lookahead_memory_namespace": "tenant-b"})}
+                        client.chat.completions.create(
+                            model=str(folder),
+                            messages=[{"role": "user", "content": prompt}],
+                            max_tokens=16,
+                            temperature=0,
+                            extra_body=tenant,
+                        )
+            files = {path.name.split(".")[1]: path for path in Path(memory_dir).glob("*.safetensors")}
+            self.assertEqual(sorted(files), ["default", "tenant-b"])
+            model = AutoModelForCausalLM.from_pretrained(folder)
+            documents = {name: read_memory_file(path, vocabulary_key(model)) for name, path in files.items()}
+        self.assertEqual(len(documents["default"]), 2, "the restarted server loaded the first one's memory")
+        self.assertEqual(len(documents["tenant-b"]), 1)
+        self.assertTrue(all(answer.choices[0].message.content for answer in answers))

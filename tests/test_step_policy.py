@@ -6,13 +6,14 @@ from pathlib import Path
 from unittest import mock
 
 from transformers_lookahead.cost_model import COST_DIR_VARIABLE, StepCostModel, default_cost_dir, measure_step_costs
-from transformers_lookahead.ngram_pool import NGramPool
+from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 from transformers_lookahead.step_policy import (
     AdaptiveStepPolicy,
     PolicyEstimates,
     StaticStepPolicy,
     choose_window,
 )
+from transformers_lookahead.suffix_memory import MemoryMatch
 from transformers_lookahead.verification import Verdict
 
 from .utils import tiny_model
@@ -162,6 +163,28 @@ class StepPolicyTest(unittest.TestCase):
         two = tree.child(one, 2)
         self.assertLess(probability[two], probability[one])
 
+    def test_memory_nodes_follow_their_counts_and_learnt_rate(self):
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2, memory_match=3, memory_depth=4)
+        tree = TokenTree()
+        tree.add_memory(MemoryMatch(2, ((1, 2), (1, 2), (1, 3), (4,))), max_nodes=10)
+        probability = policy.node_probabilities(tree)
+        one, four = tree.child(-1, 1), tree.child(-1, 4)
+        self.assertAlmostEqual(probability[one], 0.5 * 3 / 4)
+        self.assertAlmostEqual(probability[four], 0.5 * 1 / 4)
+        self.assertAlmostEqual(probability[tree.child(one, 2)], probability[one] * 0.5 * 2 / 3)
+        for _ in range(40):
+            policy.observe(tree, Verdict([1, 2, 9], [0, 1], [], []), False, NGramPool(2, 3), 0)
+        self.assertGreater(policy.memory_rate[2][1], 0.95)
+        self.assertGreater(policy.memory_rate[2][2], 0.95)
+        self.assertEqual(policy.memory_rate[3][1], 0.5, "rates are learnt per match length")
+        for _ in range(40):
+            policy.observe(tree, Verdict([9], [], [], []), False, NGramPool(2, 3), 0)
+        self.assertLess(policy.memory_rate[2][1], 0.05)
+        fresh = AdaptiveStepPolicy(MODEST, 8, 2, memory_match=3, memory_depth=4)
+        self.assertGreater(len(fresh.plan(tree, False, 1)[1]), 0, "the prior verifies the likeliest continuation")
+        policy.use_cost(MODEST)
+        self.assertEqual(len(policy.plan(tree, False, 1)[1]), 0, "a memory that misses is not verified")
+
 
 class PolicyEstimatesTest(unittest.TestCase):
     def _learnt_policy(self) -> AdaptiveStepPolicy:
@@ -187,3 +210,6 @@ class PolicyEstimatesTest(unittest.TestCase):
         a = PolicyEstimates((0.25, 0.5), (1.0,), 2.0, 4.0)
         b = PolicyEstimates((0.75, 0.0), (0.0,), 0.0, 2.0)
         self.assertEqual(PolicyEstimates.mean([a, b]), PolicyEstimates((0.5, 0.25), (0.5,), 1.0, 3.0))
+        c = PolicyEstimates((0.25,), (1.0,), 2.0, 4.0, ((0.5, 1.0), (0.25, 0.0)))
+        d = PolicyEstimates((0.75,), (0.0,), 0.0, 2.0, ((0.0, 0.5), (0.75, 1.0)))
+        self.assertEqual(PolicyEstimates.mean([c, d]).memory_rate, ((0.25, 0.75), (0.5, 0.5)))

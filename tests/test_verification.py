@@ -1,14 +1,15 @@
+import math
 import unittest
 
 import torch
 from parameterized import parameterized
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from transformers_lookahead import enable_lookahead
-from transformers_lookahead.verification import GreedyVerifier, SamplingVerifier
+from transformers_lookahead import LookaheadState, enable_lookahead
+from transformers_lookahead.verification import GreedyVerifier, PositionNoise, SamplingVerifier
 
 from .distribution_check import chi_square_p_value, homogeneity_p_value
-from .utils import SMALL_VOCABULARY, pool_tree, small_vocabulary_model
+from .utils import SMALL_VOCABULARY, flat_step_costs, pool_tree, small_vocabulary_model
 
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm
 # is expected about once in ten thousand runs of the suite.
@@ -40,23 +41,43 @@ class GreedyVerifierTest(unittest.TestCase):
 
 
 class SamplingVerifierTest(unittest.TestCase):
-    @parameterized.expand(
-        [("two_candidates", [[2], [5]]), ("likely_candidate", [[0], [1], [2]]), ("no_candidate", [])]
-    )
-    def test_first_token_follows_the_model_distribution(self, _, continuations):
-        torch.manual_seed(0)
-        vocab, draws = 8, 20000
-        logits = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.0, 1.0, -0.5, 0.7]])
+    CANDIDATES = [("two_candidates", [[2], [5]]), ("likely_candidate", [[0], [1], [2]]), ("no_candidate", [])]
+    LOGITS = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.0, 1.0, -0.5, 0.7]])
+
+    def _first_token(self, continuations, seed: int) -> int:
         tree = pool_tree(9, continuations, 1) if continuations else pool_tree(9, [[1]], 0)
-        verifier = SamplingVerifier(LogitsProcessorList())
+        rows = torch.cat([self.LOGITS, torch.zeros(len(tree), self.LOGITS.shape[1])])
+        verifier = SamplingVerifier(LogitsProcessorList(), PositionNoise(seed))
+        return verifier.verify(rows, tree, 1, torch.tensor([[9]]), max_tokens=1).tokens[0]
+
+    @parameterized.expand(CANDIDATES)
+    def test_first_token_follows_the_model_distribution(self, _, continuations):
+        vocab, draws = self.LOGITS.shape[1], 20000
         counts = torch.zeros(vocab)
-        rows = torch.cat([logits, torch.zeros(len(tree), vocab)])
-        for _ in range(draws):
-            token = verifier.verify(rows, tree, 1, torch.tensor([[9]]), max_tokens=1).tokens[0]
-            counts[token] += 1
-        expected = torch.softmax(logits[0].double(), -1) * draws
+        for seed in range(draws):
+            counts[self._first_token(continuations, seed)] += 1
+        expected = torch.softmax(self.LOGITS[0].double(), -1) * draws
         statistic = float(((counts.double() - expected) ** 2 / expected).sum())
         self.assertGreater(chi_square_p_value(statistic, vocab - 1), P_VALUE)
+
+    def test_the_token_does_not_depend_on_the_candidates(self):
+        for seed in range(200):
+            tokens = {self._first_token(continuations, seed) for _, continuations in self.CANDIDATES}
+            self.assertEqual(len(tokens), 1, f"seed {seed}")
+
+
+class PositionNoiseTest(unittest.TestCase):
+    def test_a_function_of_seed_and_position(self):
+        noise = PositionNoise(7)
+        self.assertTrue(torch.equal(noise(3, 50), PositionNoise(7)(3, 50)))
+        self.assertFalse(torch.equal(noise(3, 50), noise(4, 50)))
+        self.assertFalse(torch.equal(noise(3, 50), PositionNoise(8)(3, 50)))
+
+    def test_standard_gumbel(self):
+        values = torch.cat([PositionNoise(0)(position, 1000) for position in range(100)])
+        # Mean: the Euler-Mascheroni constant; variance: pi^2 / 6 (standard errors about 0.004 and 0.02).
+        self.assertAlmostEqual(float(values.mean()), 0.5772, delta=0.03)
+        self.assertAlmostEqual(float(values.var()), math.pi**2 / 6, delta=0.1)
 
 
 class LookaheadSamplingDistributionTest(unittest.TestCase):
@@ -64,34 +85,42 @@ class LookaheadSamplingDistributionTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.model = enable_lookahead(small_vocabulary_model())
+        cls.model = enable_lookahead(small_vocabulary_model(), LookaheadState(cost_dir=None, memory_dir=None))
         # A repetitive prompt: the pool and the context copy then propose candidates that often get accepted.
         cls.prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
 
     @parameterized.expand(
         [
-            ("temperature_0.7", {"temperature": 0.7}),
-            ("top_k_top_p", {"temperature": 1.0, "top_k": 6, "top_p": 0.9}),
+            ("temperature_0.7", {"temperature": 0.7}, {"lookahead_window": 2, "lookahead_ngram": 3}),
+            (
+                "top_k_top_p",
+                {"temperature": 1.0, "top_k": 6, "top_p": 0.9},
+                {"lookahead_window": 2, "lookahead_ngram": 3},
+            ),
+            # "auto" with the suffix memory: every call adds its sample, so later calls verify earlier samples.
+            ("auto_with_memory", {"temperature": 0.7}, {"lookahead_window": "auto"}),
         ]
     )
-    def test_first_tokens(self, _, warpers):
+    def test_first_tokens(self, _, warpers, lookahead):
         runs, new_tokens = 1500, 5
         counts = {label: torch.zeros(new_tokens, SMALL_VOCABULARY) for label in ("plain", "lookahead")}
         accepted_more_than_one = 0
-        for _ in range(runs):
-            for label, extra in (("plain", {}), ("lookahead", {"lookahead_window": 2, "lookahead_ngram": 3})):
-                out = self.model.generate(
-                    self.prompt,
-                    do_sample=True,
-                    max_new_tokens=new_tokens,
-                    return_dict_in_generate=True,
-                    **warpers,
-                    **extra,
-                )
-                generated = out.sequences[0, self.prompt.shape[1] :]
-                counts[label][torch.arange(new_tokens), generated] += 1
-                if label == "lookahead":
-                    accepted_more_than_one += any(a > 1 for a in out.accepted_per_step)
+        # A flat cost table: "auto" verifies what it is offered, whatever this machine's timings.
+        with flat_step_costs():
+            for _ in range(runs):
+                for label, extra in (("plain", {}), ("lookahead", lookahead)):
+                    out = self.model.generate(
+                        self.prompt,
+                        do_sample=True,
+                        max_new_tokens=new_tokens,
+                        return_dict_in_generate=True,
+                        **warpers,
+                        **extra,
+                    )
+                    generated = out.sequences[0, self.prompt.shape[1] :]
+                    counts[label][torch.arange(new_tokens), generated] += 1
+                    if label == "lookahead":
+                        accepted_more_than_one += any(a > 1 for a in out.accepted_per_step)
         self.assertGreater(accepted_more_than_one, runs // 20, "the test must exercise multi-token acceptance")
         for position in range(new_tokens):
             with self.subTest(position=position):
@@ -108,12 +137,12 @@ class LookaheadSamplingDistributionTest(unittest.TestCase):
 
 class WarperListTest(unittest.TestCase):
     def test_processors_are_applied_before_the_rule(self):
-        torch.manual_seed(0)
         processors = LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(2)])
         logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
         tree = pool_tree(0, [[2], [3]], 1)  # both candidates are outside the top 2: never accepted
         rows = torch.cat([logits, torch.zeros(len(tree), 4)])
         tokens = {
-            SamplingVerifier(processors).verify(rows, tree, 1, torch.tensor([[0]]), 1).tokens[0] for _ in range(300)
+            SamplingVerifier(processors, PositionNoise(seed)).verify(rows, tree, 1, torch.tensor([[0]]), 1).tokens[0]
+            for seed in range(300)
         }
         self.assertEqual(tokens, {0, 1})

@@ -9,6 +9,7 @@ interleaved per prompt, so machine noise hits them alike.
     python utils/benchmark.py --cost-curve
     python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
     python utils/benchmark.py --batched --num-prompts 4 --repeats 2
+    python utils/benchmark.py --memory        # suffix memory across calls: 4 workloads, 8 prompts each, 2 repeats
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from utils.assets import (  # noqa: E402
     tuning_prompts,
     whisper_tiny_en_path,
 )
+from utils.memory_benchmark import (  # noqa: E402
+    format_memory_table,
+    plot_memory,
+    run_memory_benchmark,
+    summarize_memory,
+)
 
 # name -> generate() keyword arguments
 METHODS = {
@@ -55,6 +62,7 @@ FULL_METHODS = list(METHODS)
 QUICK_METHODS = ["greedy", "prompt_lookup", "lookahead_auto"]
 QUICK = {"num_prompts": 5, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
 FULL = {"num_prompts": 16, "repeats": 3, "methods": FULL_METHODS, "sweep_prompts": 4}
+MEMORY = {"num_prompts": 8, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
 
 
 def _compile_everywhere():
@@ -732,6 +740,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check-runs", type=int, default=300, help="runs per method of the distribution check")
     parser.add_argument("--check-tokens", type=int, default=6, help="first tokens compared by the distribution check")
     parser.add_argument("--batched", action="store_true", help="batched greedy vs batched lookahead throughput")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="the suffix memory across calls, on four workloads (see memory_benchmark)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(
         "--whisper", action="store_true", help="Whisper tiny.en on MT-Bench questions read by espeak-ng"
@@ -739,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
-    preset = FULL if args.full else QUICK
+    preset = FULL if args.full else (MEMORY if args.memory else QUICK)
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -761,6 +774,17 @@ def main(argv: list[str] | None = None) -> None:
         table = format_sampling_table(result["summary"], result["distribution_checks"])
         (out / "sampling.json").write_text(json.dumps(result, indent=1))
         (out / "sampling.txt").write_text(table + "\n")
+        print(table)
+        return
+    if args.memory:
+        model, tokenizer, device = _load(args)
+        result = run_memory_benchmark(args, model, tokenizer, device, ForwardTimer(model))
+        result["environment"] = _environment(args, device)
+        result["summary"] = summarize_memory(result)
+        table = format_memory_table(result["summary"], result)
+        (out / "memory.json").write_text(json.dumps(result, indent=1))
+        (out / "memory.txt").write_text(table + "\n")
+        plot_memory(result["summary"], out / "memory.png")
         print(table)
         return
     if args.batched:

@@ -74,6 +74,8 @@ class ServeProcess:
         threads (`int`, *optional*): torch threads of the server process.
         extra_args (`list[str]`, *optional*): more `transformers serve` options.
         startup_timeout (`float`): seconds to wait for the server to answer.
+        environment (`dict[str, str]`, *optional*): environment variables to set for the server (e.g.
+            `TRANSFORMERS_LOOKAHEAD_MEMORY_DIR`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class ServeProcess:
         threads: int | None = None,
         extra_args: list[str] | None = None,
         startup_timeout: float = 240.0,
+        environment: dict[str, str] | None = None,
     ):
         self.folder = folder
         self.port = free_port()
@@ -94,7 +97,7 @@ class ServeProcess:
         if trust_remote_code:
             self.command.append("--trust-remote-code")
         self.command += extra_args or []
-        self.environment = dict(os.environ)
+        self.environment = {**os.environ, **(environment or {})}
         if threads:
             self.environment.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.process: subprocess.Popen | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,9 @@ LOOKAHEAD_FIELDS = (
     "lookahead_guess",
     "lookahead_pool_from_prompt",
     "lookahead_cache_commit",
+    "lookahead_memory",
+    "lookahead_memory_size",
+    "lookahead_memory_namespace",
 )
 CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
 
@@ -42,6 +46,14 @@ AUTO_GUESS = 8
 AUTO_CONTEXT_DEPTH = 8
 # The largest window "auto" considers.
 AUTO_MAX_WINDOW = 16
+# The suffix memory (see `SuffixMemory`): tokens kept per namespace (about 750 bytes each in Python objects), the
+# deepest continuation it proposes, and the most tree nodes it adds to one step.
+DEFAULT_MEMORY_SIZE = 65536
+DEFAULT_MEMORY_NAMESPACE = "default"
+MEMORY_DEPTH = 16
+MEMORY_NODES = 32
+# Namespaces name memory files: letters, digits, `.`, `_` and `-`, not starting with a dot.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,17 @@ class LookaheadConfig:
         cache_commit (`str`):
             How the accepted tokens' KV entries are kept: `"gather"` copies them out of the step's entries,
             `"refeed"` drops them and feeds the accepted tokens again in the next step (see `CacheCommitter`).
+        memory (`bool`, *optional*):
+            Whether the step also verifies continuations from the suffix memory: the prompts and outputs of earlier
+            calls on the model (see `SuffixMemory`), and whether this call's sequences are added to it when it ends.
+            Defaults to True with `window="auto"`, whose policy verifies only what pays; a fixed window verifies
+            every candidate and cannot take the memory's variable tree (True is refused there).
+        memory_size (`int`):
+            The most tokens the memory of `memory_namespace` keeps (>= 1); the oldest calls' sequences are evicted
+            first. Each token costs about 750 bytes of host memory.
+        memory_namespace (`str`):
+            Which memory of the model the call reads and feeds: calls of different namespaces (users, tenants) never
+            see each other's text. 1 to 64 letters, digits, `.`, `_` or `-`.
     """
 
     window: int | str
@@ -75,6 +98,9 @@ class LookaheadConfig:
     guess: int | str | None = None
     pool_from_prompt: bool = True
     cache_commit: str = "gather"
+    memory: bool | None = None
+    memory_size: int = DEFAULT_MEMORY_SIZE
+    memory_namespace: str = DEFAULT_MEMORY_NAMESPACE
 
     def __post_init__(self):
         if self.window != AUTO:
@@ -94,6 +120,22 @@ class LookaheadConfig:
         if self.cache_commit not in CACHE_COMMIT_STRATEGIES:
             raise ValueError(
                 f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {self.cache_commit!r}."
+            )
+        if self.memory is None:
+            object.__setattr__(self, "memory", self.window == AUTO)
+        if not isinstance(self.memory, bool):
+            raise ValueError(f"`lookahead_memory` must be a bool (True or False), got {self.memory!r}.")
+        if self.memory and self.window != AUTO:
+            raise ValueError(
+                f'`lookahead_memory=True` needs `lookahead_window="{AUTO}"`: a fixed window verifies every candidate '
+                f"in a step of fixed shape, and the memory proposes a tree of any size; got lookahead_window="
+                f'{self.window!r}. Use "{AUTO}" or set `lookahead_memory=False`.'
+            )
+        _check_int("lookahead_memory_size", self.memory_size, minimum=1, also=None)
+        if not isinstance(self.memory_namespace, str) or not NAMESPACE_PATTERN.fullmatch(self.memory_namespace):
+            raise ValueError(
+                "`lookahead_memory_namespace` must be a string of 1 to 64 letters, digits, '.', '_' or '-', not "
+                f"starting with '.', got {self.memory_namespace!r}."
             )
 
     @property
@@ -115,8 +157,9 @@ class LookaheadConfig:
         """
         window = window if window is not None else (AUTO_MAX_WINDOW if self.adaptive else self.window)
         context = AUTO_CONTEXT_DEPTH if self.adaptive else 0
-        pending = 1 if self.cache_commit == "gather" else self.levels + 1 + context
-        return pending + window * self.levels + self.guess * self.levels + context
+        memory = MEMORY_NODES if self.memory else 0
+        pending = 1 if self.cache_commit == "gather" else self.levels + 1 + max(context, MEMORY_DEPTH if memory else 0)
+        return pending + window * self.levels + self.guess * self.levels + context + memory
 
     @classmethod
     def from_sources(cls, *sources: Any, default_window: int | str | None = None) -> LookaheadConfig | None:
@@ -159,12 +202,16 @@ class LookaheadConfig:
             guess=values.get("lookahead_guess"),
             pool_from_prompt=values.get("lookahead_pool_from_prompt", True),
             cache_commit=values.get("lookahead_cache_commit", "gather"),
+            memory=values.get("lookahead_memory"),
+            memory_size=values.get("lookahead_memory_size", DEFAULT_MEMORY_SIZE),
+            memory_namespace=values.get("lookahead_memory_namespace", DEFAULT_MEMORY_NAMESPACE),
         )
 
 
-def _check_int(name: str, value: Any, minimum: int, also: str = f'"{AUTO}"') -> None:
+def _check_int(name: str, value: Any, minimum: int, also: str | None = f'"{AUTO}"') -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum} or {also}, got {value!r}.")
+        alternative = f" or {also}" if also else ""
+        raise ValueError(f"`{name}` must be an integer >= {minimum}{alternative}, got {value!r}.")
 
 
 def check_cache_implementation(cache_implementation: str | None) -> None:

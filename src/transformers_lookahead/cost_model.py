@@ -24,7 +24,7 @@ logger = logging.get_logger(__name__)
 # Step lengths the cost is measured at; lengths in between are interpolated.
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 _CONTEXT = 128
-_REPEATS = 3
+_ROUNDS = 5
 
 
 # Environment variable naming where measured cost tables are kept: a directory, or "off" to keep them in memory only.
@@ -187,6 +187,25 @@ def measure_step_costs(
 
     for length in grid[:3]:
         timed(length)  # warm-up: first calls allocate and pick kernels
-    medians = {length: statistics.median(timed(length) for _ in range(_REPEATS)) for length in grid}
-    base = medians[grid[0]]
-    return {length: medians[length] / base for length in grid}
+    # Every round times each length once, and each length is judged against the one-token step of its own round:
+    # load that comes and goes then shifts both alike instead of one length's repeats.
+    rounds = [{length: timed(length) for length in grid} for _ in range(_ROUNDS)]
+    ratios = [statistics.median(times[length] / times[grid[0]] for times in rounds) for length in grid]
+    return dict(zip(grid, _non_decreasing(ratios)))
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """
+    The closest non-decreasing sequence (least squares, pool-adjacent-violators): a longer step never costs less, and
+    a dip in a measured curve is noise that would make `"auto"` prefer one length over its neighbours.
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1] = [
+                (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
+                blocks[-1][1] + count,
+            ]
+    return [mean for mean, count in blocks for _ in range(count)]

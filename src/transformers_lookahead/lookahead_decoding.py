@@ -18,7 +18,14 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from .cache_commit import CacheCommitter
 from .compatibility import bind_batch_index, can_auto_compile, pad_token_id, prefill
-from .configuration_lookahead import AUTO_CONTEXT_DEPTH, AUTO_MAX_WINDOW, LookaheadConfig, validate_lookahead_setup
+from .configuration_lookahead import (
+    AUTO_CONTEXT_DEPTH,
+    AUTO_MAX_WINDOW,
+    MEMORY_DEPTH,
+    MEMORY_NODES,
+    LookaheadConfig,
+    validate_lookahead_setup,
+)
 from .cost_model import COST_GRID
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
@@ -27,7 +34,7 @@ from .rank_sync import RankSync
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import RowStep, StepLayout
 from .step_policy import AdaptiveStepPolicy, PolicyEstimates, StaticStepPolicy, choose_window
-from .verification import GreedyVerifier, SamplingVerifier, Verdict
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -86,6 +93,9 @@ def generate(
     lookahead_guess: int | str | None = None,
     lookahead_pool_from_prompt: bool | None = None,
     lookahead_cache_commit: str | None = None,
+    lookahead_memory: bool | None = None,
+    lookahead_memory_size: int | None = None,
+    lookahead_memory_namespace: str | None = None,
     lookahead_config: LookaheadConfig | None = None,
     lookahead_state: LookaheadState | None = None,
     lookahead_streamer: BaseStreamer | None = None,
@@ -118,6 +128,9 @@ def generate(
         lookahead_guess (`int` or `"auto"`, *optional*): G, the most candidates verified per step.
         lookahead_pool_from_prompt (`bool`, *optional*): seed the pool from the prompt and the accepted text.
         lookahead_cache_commit (`str`, *optional*): `"gather"` or `"refeed"`.
+        lookahead_memory (`bool`, *optional*): verify continuations from the suffix memory of earlier calls.
+        lookahead_memory_size (`int`, *optional*): the most tokens the memory keeps.
+        lookahead_memory_namespace (`str`, *optional*): which of the model's memories the call reads and feeds.
         lookahead_config (`LookaheadConfig`, *optional*): the settings, already resolved (what
             `LookaheadGenerationMixin` passes); the `lookahead_*` arguments above are then ignored.
         lookahead_state (`LookaheadState`, *optional*): what earlier calls on this model learnt; defaults to
@@ -139,6 +152,9 @@ def generate(
             "lookahead_guess": lookahead_guess,
             "lookahead_pool_from_prompt": lookahead_pool_from_prompt,
             "lookahead_cache_commit": lookahead_cache_commit,
+            "lookahead_memory": lookahead_memory,
+            "lookahead_memory_size": lookahead_memory_size,
+            "lookahead_memory_namespace": lookahead_memory_namespace,
         }
         config = LookaheadConfig.from_sources(arguments, generation_config, default_window=DEFAULT_WINDOW)
         if config is None:
@@ -298,13 +314,13 @@ class LookaheadDecoder:
         # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
         # criteria fired keeps generating until every sequence's have.
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-        # Greedy adaptive calls carry what they learnt to the next call (see `LookaheadState`).
-        self.remembers = config.adaptive and not generation_config.do_sample
-        # The candidates decide how many random numbers sampled verification draws: a sampled call plans from the cost
-        # table only, not from step times, so that a seed reproduces it. Step times also differ between the ranks of
-        # a tensor-parallel model, which must plan alike.
-        self.follows_durations = not generation_config.do_sample and self.sync is None
+        # Step times differ between the ranks of a tensor-parallel model, which must plan alike.
+        self.follows_durations = self.sync is None
         self._carried: dict[tuple, PolicyEstimates | None] = {}
+        # Earlier calls' text, whose continuations the steps also verify; this call's is added when it ends.
+        self.memory = None
+        if config.memory:
+            self.memory = self.state.memory(model, config.memory_namespace, config.memory_size)
 
     def run(
         self,
@@ -351,9 +367,11 @@ class LookaheadDecoder:
 
         if streamer is not None:
             streamer.end()
-        if self.remembers:
+        if self.config.adaptive:
             estimates = PolicyEstimates.mean([sequence.policy.estimates() for sequence in sequences])
-            self.state.remember(sequences[0].policy.shape, estimates)
+            self.state.remember(self._estimates_key(sequences[0].policy), estimates)
+        if self.memory is not None:
+            self.state.add_to_memory(self.config.memory_namespace, [sequence.tokens for sequence in sequences])
         return self._outputs(sequences, forward_passes, slot_valid)
 
     def _prefill(
@@ -367,8 +385,14 @@ class LookaheadDecoder:
         first = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
         del outputs
         first_scores = self.logits_processor(input_ids, first)
+        noises = None
         if self.generation_config.do_sample:
-            first_tokens = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[:, 0].tolist()
+            # One seed per sequence from torch's generator: `torch.manual_seed` fixes the call's text.
+            seeds = torch.randint(0, 2**62, (input_ids.shape[0],), dtype=torch.int64).tolist()
+            noises = [PositionNoise(seed) for seed in seeds]
+            first_tokens = [
+                noise.sample(first_scores[index], input_ids.shape[1]) for index, noise in enumerate(noises)
+            ]
         else:
             first_tokens = first_scores.argmax(-1).tolist()
 
@@ -382,14 +406,17 @@ class LookaheadDecoder:
             self._append(sequence, verdict)
             sequence.tokens.append(first_tokens[index])
             sequence.pending = sequence.input_ids[0, -1:]
-            self._equip(sequence)
+            self._equip(sequence, noises[index] if noises is not None else None)
             sequences.append(sequence)
         self._stream(streamer, sequences[0], 1)
         self._mark_finished(sequences)
         return sequences, slot_valid
 
-    def _equip(self, sequence: SequenceState) -> None:
-        """Gives a sequence its own pool, window, policy and verifier, seeded from its text so far."""
+    def _equip(self, sequence: SequenceState, noise: PositionNoise | None) -> None:
+        """
+        Gives a sequence its own pool, window, policy and verifier, seeded from its text so far; `noise` is its
+        sampling noise (`None` for greedy decoding).
+        """
         config, tokens = self.config, sequence.tokens
         sequence.pool = NGramPool(config.levels, config.guess)
         if config.pool_from_prompt:
@@ -401,25 +428,30 @@ class LookaheadDecoder:
                 self.window_size * config.levels,
                 config.levels,
                 context_depth=AUTO_CONTEXT_DEPTH,
+                memory_match=self.memory.max_match if self.memory is not None else 0,
+                memory_depth=MEMORY_DEPTH,
             )
-            if self.remembers:
-                learnt = self._carried_estimates(sequence.policy.shape)
-                if learnt is not None:
-                    sequence.policy.start_from(learnt)
+            learnt = self._carried_estimates(self._estimates_key(sequence.policy))
+            if learnt is not None:
+                sequence.policy.start_from(learnt)
             # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
             sequence.context = ContextIndex() if config.pool_from_prompt else None
         else:
             sequence.policy = StaticStepPolicy()
             sequence.context = None
-        verifier_class = SamplingVerifier if self.generation_config.do_sample else GreedyVerifier
-        sequence.verifier = verifier_class(processors_for_row(self.logits_processor, sequence.index))
+        processors = processors_for_row(self.logits_processor, sequence.index)
+        sequence.verifier = GreedyVerifier(processors) if noise is None else SamplingVerifier(processors, noise)
 
-    def _carried_estimates(self, shape: tuple) -> PolicyEstimates | None:
-        """What the last greedy call left for a policy of this shape; rank 0's under tensor parallelism."""
-        if shape not in self._carried:
-            learnt = self.state.recall(shape)
-            self._carried[shape] = learnt if self.sync is None else self.sync.agree(learnt)
-        return self._carried[shape]
+    def _estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
+        """Greedy and sampled calls accept at different rates: each kind carries its own estimates."""
+        return (*policy.shape, self.generation_config.do_sample)
+
+    def _carried_estimates(self, key: tuple) -> PolicyEstimates | None:
+        """What the last call of this kind left for a policy of this shape; rank 0's under tensor parallelism."""
+        if key not in self._carried:
+            learnt = self.state.recall(key)
+            self._carried[key] = learnt if self.sync is None else self.sync.agree(learnt)
+        return self._carried[key]
 
     def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[StepPlan]:
         """
@@ -468,6 +500,10 @@ class LookaheadDecoder:
             sequence.context.update(tokens)
             room = min(AUTO_CONTEXT_DEPTH, sequence.limit - sequence.length - 1, position_room)
             tree.add_path(sequence.context.continuation(tokens, room))
+        if self.memory is not None:
+            match = self.memory.match(tokens, min(MEMORY_DEPTH, sequence.limit - sequence.length - 1, position_room))
+            if match is not None:
+                tree.add_memory(match, MEMORY_NODES)
         return tree, window_allowed
 
     def _accept(self, plan: StepPlan, logits: torch.Tensor, streamer: BaseStreamer | None) -> tuple[Verdict, int]:

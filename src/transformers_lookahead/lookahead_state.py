@@ -7,12 +7,17 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .configuration_lookahead import DEFAULT_MEMORY_NAMESPACE, DEFAULT_MEMORY_SIZE, NAMESPACE_PATTERN
 from .cost_model import StepCostModel, default_cost_dir, model_key
+from .suffix_memory import SuffixMemory, vocabulary_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from .step_policy import PolicyEstimates
+
+# Where suffix memories are kept between processes when the user did not choose (unset: nowhere).
+MEMORY_DIR_VARIABLE = "TRANSFORMERS_LOOKAHEAD_MEMORY_DIR"
 
 # `cost_dir` when the caller did not choose: `default_cost_dir()`, read when the state is created.
 _DEFAULT = object()
@@ -25,27 +30,42 @@ class LookaheadState:
 
     - The step-cost table (`StepCostModel`): measured once per device, dtype and thread count, kept in memory and,
       unless `cost_dir` is `None`, in a JSON file so the next process reads it instead of measuring again.
-    - The acceptance estimates of the last greedy `"auto"` call (`PolicyEstimates`, one per policy shape): the next
-      call starts from them instead of the priors. Short generations (a transcript, a chat turn) otherwise spend
-      most of their steps relearning that, say, copied continuations rarely match. Sampled calls neither read nor
-      write them: the candidates decide how many random numbers verification draws, so a seeded sampled call must
-      not depend on the calls before it.
+    - The acceptance estimates of the last `"auto"` call (`PolicyEstimates`, one per policy shape, greedy and sampled
+      apart): the next call starts from them instead of the priors. Short generations (a transcript, a chat turn)
+      otherwise spend most of their steps relearning that, say, copied continuations rarely match.
+    - The suffix memories (`SuffixMemory`, one per `lookahead_memory_namespace`): the prompts and outputs of earlier
+      calls, whose continuations later calls verify. With `memory_dir` set, a memory is read from its file when a
+      call first uses it and written back after every call that added to it, so a restarted server starts warm.
 
-    Safe to share between threads calling `generate` on one model at once: each call works on its own copies and
-    reads or writes the state under a lock. A copied or pickled state starts empty.
+    None of it changes what a call generates: greedy output is plain greedy's, and sampled text depends only on the
+    seed (see `PositionNoise`).
+
+    Safe to share between threads calling `generate` on one model at once: each call works on its own copies of the
+    estimates and reads or writes the state under locks. A copied or pickled state starts empty.
 
     Args:
         cost_dir (`str` or `os.PathLike` or `None`, *optional*):
             Where cost tables are read and written. Defaults to `default_cost_dir()`: `$TRANSFORMERS_LOOKAHEAD_COST_DIR`
             if set ("off" for `None`), else `lookahead/step_costs` under the Hugging Face cache. `None` keeps tables
             in memory only (each new state measures once).
+        memory_dir (`str` or `os.PathLike` or `None`, *optional*):
+            Where suffix memories are read and written, one file per vocabulary and namespace. Defaults to
+            `$TRANSFORMERS_LOOKAHEAD_MEMORY_DIR` if set, else `None`: memories live in this state only.
     """
 
-    def __init__(self, cost_dir: str | os.PathLike | None | Any = _DEFAULT):
+    def __init__(
+        self,
+        cost_dir: str | os.PathLike | None | Any = _DEFAULT,
+        memory_dir: str | os.PathLike | None | Any = _DEFAULT,
+    ):
         self.cost_dir = default_cost_dir() if cost_dir is _DEFAULT else (None if cost_dir is None else Path(cost_dir))
+        if memory_dir is _DEFAULT:
+            memory_dir = os.environ.get(MEMORY_DIR_VARIABLE) or None
+        self.memory_dir = None if memory_dir is None else Path(memory_dir)
         self._lock = threading.Lock()
         self._costs: dict[str, StepCostModel] = {}
         self._estimates: dict[tuple, PolicyEstimates] = {}
+        self._memories: dict[str, SuffixMemory] = {}
 
     def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None) -> StepCostModel:
         """
@@ -72,8 +92,96 @@ class LookaheadState:
         with self._lock:
             self._estimates[shape] = estimates
 
+    def memory(
+        self,
+        model: PreTrainedModel,
+        namespace: str = DEFAULT_MEMORY_NAMESPACE,
+        max_tokens: int = DEFAULT_MEMORY_SIZE,
+    ) -> SuffixMemory:
+        """
+        The suffix memory of `namespace`, holding at most `max_tokens` tokens from now on: created empty (or read from
+        `memory_dir`) on first use.
+
+        Args:
+            model (`PreTrainedModel`): the model this state belongs to (its vocabulary names the memory's file).
+            namespace (`str`): which memory (see `lookahead_memory_namespace`).
+            max_tokens (`int`): the memory's bound (see `lookahead_memory_size`).
+
+        Raises:
+            `ValueError` if the memory's file in `memory_dir` is not a memory of this vocabulary; the file is left as
+            it is.
+        """
+        with self._lock:
+            memory = self._memories.get(namespace)
+            if memory is None:
+                memory = SuffixMemory(vocabulary_key(model), max_tokens)
+                path = self._memory_file(memory.vocabulary, namespace)
+                if path is not None and path.exists():
+                    memory.load(path)
+                self._memories[namespace] = memory
+        if memory.max_tokens != max_tokens:
+            memory.resize(max_tokens)
+        return memory
+
+    def add_to_memory(self, namespace: str, documents: list[list[int]]) -> None:
+        """
+        Adds the token sequences of a finished call to the memory of `namespace` (which `memory` created), and writes
+        the memory to `memory_dir` if there is one.
+        """
+        with self._lock:
+            memory = self._memories[namespace]
+        memory.add(documents)
+        path = self._memory_file(memory.vocabulary, namespace)
+        if path is not None:
+            memory.save(path)
+
+    def save_memory(self, path: str | os.PathLike, namespace: str = DEFAULT_MEMORY_NAMESPACE) -> None:
+        """
+        Writes the memory of `namespace` to a file (e.g. beside the model), which `load_memory` reads back.
+
+        Raises:
+            `ValueError` if this state has no memory of that namespace.
+        """
+        with self._lock:
+            memory = self._memories.get(namespace)
+        if memory is None:
+            raise ValueError(
+                f"This state has no lookahead memory of namespace {namespace!r}; it has {sorted(self._memories)}."
+            )
+        memory.save(path)
+
+    def load_memory(
+        self,
+        model: PreTrainedModel,
+        path: str | os.PathLike,
+        namespace: str = DEFAULT_MEMORY_NAMESPACE,
+        max_tokens: int = DEFAULT_MEMORY_SIZE,
+    ) -> SuffixMemory:
+        """
+        Replaces the memory of `namespace` with a file written by `save_memory` (or found in a `memory_dir`).
+
+        Args:
+            model (`PreTrainedModel`): the model this state belongs to; the file must be of its vocabulary.
+            path (`str` or `os.PathLike`): the file.
+            namespace (`str`): the memory to replace.
+            max_tokens (`int`): the memory's bound (the newest documents of the file are kept).
+
+        Raises:
+            `ValueError` naming the file and what is wrong with it; the memory stays as it was.
+        """
+        if not NAMESPACE_PATTERN.fullmatch(namespace):
+            raise ValueError(f"`namespace` must be 1 to 64 letters, digits, '.', '_' or '-', got {namespace!r}.")
+        memory = self.memory(model, namespace, max_tokens)
+        memory.load(path)
+        return memory
+
+    def _memory_file(self, vocabulary: str, namespace: str) -> Path | None:
+        if self.memory_dir is None:
+            return None
+        return self.memory_dir / f"{vocabulary.replace('/', '-')}.{namespace}.safetensors"
+
     def __deepcopy__(self, memo: dict) -> LookaheadState:
-        return LookaheadState(self.cost_dir)
+        return LookaheadState(self.cost_dir, self.memory_dir)
 
     def __reduce__(self):
-        return (LookaheadState, (self.cost_dir,))
+        return (LookaheadState, (self.cost_dir, self.memory_dir))

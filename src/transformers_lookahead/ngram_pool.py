@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .suffix_memory import MemoryMatch
 
 
 @dataclass
@@ -24,6 +28,10 @@ class TokenTree:
         counts (`list[int]`): how many pooled continuations pass through each node.
         in_context (`list[bool]`): whether each node lies on the continuation copied from the context (see
             `ContextIndex`), as opposed to only on pooled n-grams.
+        memory_counts (`list[int]`): how many continuations from the suffix memory (see `SuffixMemory`) pass
+            through each node.
+        memory_total (`int`): how many continuations the memory proposed (what passes through the key).
+        memory_match (`int`): how many tokens of the sequence the memory matched to propose them (0: none).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -32,6 +40,9 @@ class TokenTree:
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
     counts: list[int] = field(default_factory=list)
     in_context: list[bool] = field(default_factory=list)
+    memory_counts: list[int] = field(default_factory=list)
+    memory_total: int = 0
+    memory_match: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -49,7 +60,7 @@ class TokenTree:
         """
         kept = sorted(nodes)
         renumber = {old: new for new, old in enumerate(kept)}
-        tree = TokenTree()
+        tree = TokenTree(memory_total=self.memory_total, memory_match=self.memory_match)
         for old in kept:
             parent = self.parents[old]
             new_parent = renumber[parent] if parent >= 0 else -1
@@ -58,6 +69,7 @@ class TokenTree:
             tree.depths.append(self.depths[old])
             tree.counts.append(self.counts[old])
             tree.in_context.append(self.in_context[old])
+            tree.memory_counts.append(self.memory_counts[old])
             tree.children.append({})
             tree.children[new_parent + 1][self.tokens[old]] = renumber[old]
         return tree
@@ -71,18 +83,49 @@ class TokenTree:
         """
         node = -1
         for depth, token in enumerate(tokens, start=1):
-            child = self.child(node, token)
-            if child is None:
-                child = len(self.tokens)
-                self.tokens.append(token)
-                self.parents.append(node)
-                self.depths.append(depth)
-                self.counts.append(0)
-                self.in_context.append(False)
-                self.children.append({})
-                self.children[node + 1][token] = child
-            self.in_context[child] = True
-            node = child
+            node = self._child_or_new(node, token, depth)
+            self.in_context[node] = True
+
+    def add_memory(self, match: MemoryMatch, max_nodes: int) -> None:
+        """
+        Merges the continuations the suffix memory proposed into the tree, counting how many pass through each node.
+        Continuations are taken most recent first while the tree gains at most `max_nodes` nodes.
+
+        Args:
+            match (`MemoryMatch`): what the memory proposed.
+            max_nodes (`int`): the most nodes added.
+        """
+        added = 0
+        self.memory_match = match.length
+        for continuation in match.continuations:
+            node, path = -1, []
+            for depth, token in enumerate(continuation, start=1):
+                if self.child(node, token) is None:
+                    if added == max_nodes:
+                        break
+                    added += 1
+                node = self._child_or_new(node, token, depth)
+                path.append(node)
+            if not path:
+                break
+            self.memory_total += 1
+            for child in path:
+                self.memory_counts[child] += 1
+
+    def _child_or_new(self, node: int, token: int, depth: int) -> int:
+        """The child of `node` that holds `token`, created (from no source yet) if missing."""
+        child = self.child(node, token)
+        if child is None:
+            child = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.depths.append(depth)
+            self.counts.append(0)
+            self.in_context.append(False)
+            self.memory_counts.append(0)
+            self.children.append({})
+            self.children[node + 1][token] = child
+        return child
 
     def context_path(self) -> list[int]:
         """The nodes flagged `in_context`, from the top down."""
@@ -203,6 +246,7 @@ class NGramPool:
                     tree.tokens.append(token)
                     tree.counts.append(count)
                     tree.in_context.append(False)
+                    tree.memory_counts.append(0)
                     tree.parents.append(parent)
                     tree.depths.append(depth)
                     tree.children.append({})

@@ -35,12 +35,15 @@ class PolicyEstimates:
         context_rate (`tuple[float]`): per depth, the same for the continuation copied from the context.
         window_credit (`float`): decayed sum of the tokens only the window's n-grams predicted.
         window_steps (`float`): decayed count of the steps that ran the window.
+        memory_rate (`tuple[tuple[float]]`): per match length and depth, how often a continuation from the suffix
+            memory matched once its parent had (empty without a memory).
     """
 
     match_rate: tuple[float, ...]
     context_rate: tuple[float, ...]
     window_credit: float
     window_steps: float
+    memory_rate: tuple[tuple[float, ...], ...] = ()
 
     @staticmethod
     def mean(estimates: list[PolicyEstimates]) -> PolicyEstimates:
@@ -55,6 +58,7 @@ class PolicyEstimates:
             average(e.context_rate for e in estimates),
             sum(e.window_credit for e in estimates) / count,
             sum(e.window_steps for e in estimates) / count,
+            tuple(average(rows) for rows in zip(*(e.memory_rate for e in estimates))),
         )
 
 
@@ -108,6 +112,10 @@ class AdaptiveStepPolicy(StaticStepPolicy):
       at least depth 1): a run of misses cannot shut verification off for good.
     - The continuation copied from the context (`ContextIndex`), if any, has its own running estimate per depth,
       `context_rate[d]`, of matching once its parent matched; a node on it takes the larger of both estimates.
+    - Continuations from the suffix memory (`SuffixMemory`) have a running estimate per match length k and depth,
+      `memory_rate[k][d]`, of some remembered child matching once its parent matched, shared among the children by
+      how many remembered continuations pass through each (as the pool's counts are). A long match earns deep
+      candidates, a one-token match rarely any: the depth follows the match length through what was learnt.
     - Window: adds `window_gain`, the tokens accepted per window step from n-grams only the window had found
       (a running estimate with an optimistic start, re-probed after `probe_every` steps without the window).
     - Cost: `StepCostModel` of the step length, its excess over a one-token step rescaled by a running factor
@@ -125,6 +133,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         decay (`float`): weight kept by the running estimates at each step.
         probe_every (`int`): steps without the window after which one window step is forced.
         context_depth (`int`): the longest continuation copied from the context.
+        memory_match (`int`): the longest match of the suffix memory (0: no memory).
+        memory_depth (`int`): the deepest continuation of the suffix memory.
     """
 
     def __init__(
@@ -135,6 +145,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         decay: float = 0.9,
         probe_every: int = 32,
         context_depth: int = 0,
+        memory_match: int = 0,
+        memory_depth: int = 0,
     ):
         self.cost = cost
         self.window_length = window_length
@@ -142,6 +154,7 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         self.probe_every = probe_every
         self.match_rate = [0.3] * (levels + 1)
         self.context_rate = [0.5] * (context_depth + 1)
+        self.memory_rate = [[0.5] * (memory_depth + 1) for _ in range(memory_match + 1)] if memory_match else []
         self._window_credit, self._window_steps = 0.5, 1.0
         self._steps_without_window = 0
         self._levels = levels
@@ -161,18 +174,24 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     @property
     def shape(self) -> tuple:
         """What estimates of another policy must match to be reused here (see `LookaheadState`)."""
-        return (self.window_length, len(self.match_rate), len(self.context_rate))
+        memory_shape = (len(self.memory_rate), len(self.memory_rate[0])) if self.memory_rate else (0, 0)
+        return (self.window_length, len(self.match_rate), len(self.context_rate), *memory_shape)
 
     def estimates(self) -> PolicyEstimates:
         """What this policy has learnt so far."""
         return PolicyEstimates(
-            tuple(self.match_rate), tuple(self.context_rate), self._window_credit, self._window_steps
+            tuple(self.match_rate),
+            tuple(self.context_rate),
+            self._window_credit,
+            self._window_steps,
+            tuple(tuple(rates) for rates in self.memory_rate),
         )
 
     def start_from(self, estimates: PolicyEstimates) -> None:
         """Replaces the priors with estimates learnt earlier (by a policy of the same `shape`)."""
         self.match_rate = list(estimates.match_rate)
         self.context_rate = list(estimates.context_rate)
+        self.memory_rate = [list(rates) for rates in estimates.memory_rate]
         self._window_credit, self._window_steps = estimates.window_credit, estimates.window_steps
 
     def observe_duration(self, length: int, seconds: float) -> None:
@@ -199,6 +218,19 @@ class AdaptiveStepPolicy(StaticStepPolicy):
                 return
             child = children.get(token)
             self.match_rate[depth] += (1 - self.decay) * (float(child is not None) - self.match_rate[depth])
+            if child is None:
+                return
+            node = child
+
+    def _learn_memory(self, tree: TokenTree, accepted: list[int]) -> None:
+        rates = self.memory_rate[tree.memory_match]
+        node = -1
+        for depth, token in enumerate(accepted[: len(rates) - 1], start=1):
+            remembered = {t: c for t, c in tree.children[node + 1].items() if tree.memory_counts[c]}
+            if not remembered:
+                return
+            child = remembered.get(token)
+            rates[depth] += (1 - self.decay) * (float(child is not None) - rates[depth])
             if child is None:
                 return
             node = child
@@ -259,7 +291,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         sibling_counts: dict[int, int] = {}
         for parent, count in zip(tree.parents, tree.counts):
             sibling_counts[parent] = sibling_counts.get(parent, 0) + count
-        probability, context = [], []
+        memory_rate = self.memory_rate[tree.memory_match] if tree.memory_total else None
+        probability, context, remembered = [], [], []
         for node, (parent, depth) in enumerate(zip(tree.parents, tree.depths)):
             above = probability[parent] if parent >= 0 else 1.0
             pooled = 0.0
@@ -268,8 +301,18 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             copied = 0.0
             if tree.in_context[node]:
                 copied = (context[parent] if parent >= 0 else 1.0) * self.context_rate[depth]
+            recalled = 0.0
+            if tree.memory_counts[node]:
+                through_parent = tree.memory_counts[parent] if parent >= 0 else tree.memory_total
+                recalled = (
+                    (remembered[parent] if parent >= 0 else 1.0)
+                    * memory_rate[depth]
+                    * tree.memory_counts[node]
+                    / through_parent
+                )
             context.append(copied)
-            probability.append(max(pooled, copied))
+            remembered.append(recalled)
+            probability.append(max(pooled, copied, recalled))
         return probability
 
     def observe(self, offered: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
@@ -282,6 +325,8 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             self.context_rate[depth] += (1 - self.decay) * (hit - self.context_rate[depth])
             if not hit:
                 break
+        if offered.memory_total:
+            self._learn_memory(offered, verdict.tokens)
         matched = verdict.tokens[: len(verdict.nodes)]
         window_credit = len(matched) if pool.found_by_window(key, matched) else 0
         self._window_credit = self.decay * self._window_credit + window_credit

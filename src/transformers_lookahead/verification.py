@@ -75,7 +75,7 @@ class GreedyVerifier:
             else:
                 sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
                 scores = self.logits_processor(sequence, raw)
-                token = self.choose(scores[0], tree.children[node + 1])
+                token = self.choose(scores[0], sequence.shape[1])
             verdict.tokens.append(token)
             verdict.logits.append(raw)
             verdict.scores.append(scores)
@@ -85,39 +85,76 @@ class GreedyVerifier:
             verdict.nodes.append(child)
             row, node = tree_row + child, child
 
-    def choose(self, scores: torch.Tensor, candidates: dict[int, int]) -> int:
+    def choose(self, scores: torch.Tensor, position: int) -> int:
         """
-        The token at a node, from its processed scores (shape `(vocab,)`) and the candidates below it (token ->
-        node). The walk continues at the candidate holding the returned token, if any.
+        The token at a node, from its processed scores (shape `(vocab,)`), to be placed at index `position` of the
+        sequence. The walk continues at the candidate holding the returned token, if any.
         """
         return int(scores.argmax(-1))
+
+
+class PositionNoise:
+    """
+    Gumbel noise for every position of one sequence, drawn from the sequence's seed and the position alone.
+
+    Sampling a token as `argmax(scores + noise(position))` draws it from `softmax(scores)` (the Gumbel-max trick),
+    and since the noise of a position never depends on what else was computed, the sampled text is a function of
+    the seed and the model only: the same whatever candidates a step verified, whatever the suffix memory or the
+    carried estimates held.
+
+    Args:
+        seed (`int`): the sequence's seed (drawn from torch's global generator, so `torch.manual_seed` fixes it).
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __call__(self, position: int, size: int) -> torch.Tensor:
+        """The noise of `position`: `size` independent standard Gumbel values (on the CPU), shape `(size,)`."""
+        generator = torch.Generator().manual_seed(_mix(self.seed, position))
+        # Uniform in (0, 1]: -log(-log(u)) is finite except at u = 1 (+inf, probability 2^-53 per value).
+        uniform = 1.0 - torch.rand(size, generator=generator, dtype=torch.float64)
+        return -torch.log(-torch.log(uniform))
+
+    def sample(self, scores: torch.Tensor, position: int) -> int:
+        """
+        The token sampled from `softmax(scores)` at index `position` of the sequence.
+
+        Args:
+            scores (`torch.Tensor` of shape `(vocab,)`): processed scores (`-inf` for tokens ruled out).
+            position (`int`): where the token goes in the sequence.
+        """
+        noise = self(position, scores.shape[-1]).to(scores.device)
+        return int((scores.to(torch.float64) + noise).argmax(-1))
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit seed per position (splitmix64 of seed and position): neighbouring positions draw unrelated noise."""
+    value = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (value ^ (value >> 31)) >> 1
 
 
 class SamplingVerifier(GreedyVerifier):
     """
     Verification of a token tree that keeps the output distribution of plain sampling.
 
-    At each node the model's distribution p (logits processors and warpers applied, as in plain sampling) is
-    computed. The candidates below the node are deterministic drafts, so the multi-draft rejection rule reduces to:
-    accept candidate x with probability p(x); on rejection set p(x) = 0, renormalise, and try the next candidate;
-    if every candidate is rejected, sample the token from what is left of p. Whatever the candidates, the token
-    is then distributed exactly as p: a candidate x is chosen with probability p(x) overall (the chance of reaching
-    it times its renormalised probability), and any other token with its share of the remaining mass. An accepted
-    candidate continues the walk at its node, whose logits are conditioned on it; a sampled token ends the step.
-    The candidates depend only on text already generated, never on the random draws still to come.
+    The token at each position is `argmax(scores + noise)`, with the scores after the logits processors and warpers
+    (as plain sampling computes them) and the sequence's Gumbel noise of that position (`PositionNoise`): a sample of
+    `softmax(scores)`. A candidate is accepted when it is that token, so verification is the greedy walk on
+    perturbed scores, and the text depends on the seed and the model only, never on the candidates.
 
     Args:
         logits_processor (`LogitsProcessorList`): the processors and warpers `generate` built for the call.
+        noise (`PositionNoise`): the sequence's noise.
     """
 
     argmax_of_raw_logits = False
 
-    def choose(self, scores: torch.Tensor, candidates: dict[int, int]) -> int:
-        probs = torch.softmax(scores, dim=-1)
-        for candidate in candidates:
-            if float(torch.rand((), device=probs.device)) < float(probs[candidate]):
-                return candidate
-            probs[candidate] = 0.0
-            probs = probs / probs.sum()
-        # Every candidate now has probability 0, so the walk ends here.
-        return int(torch.multinomial(probs, 1))
+    def __init__(self, logits_processor: LogitsProcessorList, noise: PositionNoise):
+        super().__init__(logits_processor)
+        self.noise = noise
+
+    def choose(self, scores: torch.Tensor, position: int) -> int:
+        return self.noise.sample(scores, position)

@@ -4,7 +4,7 @@ model loaded with `from_pretrained(folder, trust_remote_code=True)` from a folde
 (what `transformers serve FOLDER --trust-remote-code` does).
 """
 
-from transformers_lookahead import generate_with_lookahead
+from transformers_lookahead import LookaheadState, generate_with_lookahead
 from transformers_lookahead.lookahead_decoding import DEFAULT_WINDOW
 
 try:  # present where `transformers serve` runs
@@ -18,7 +18,14 @@ def generate(*args, model, **kwargs):
     Runs `generate` with lookahead decoding; `lookahead_*` arguments and generation config fields apply. `model` is
     keyword-only: `from_pretrained` binds it with `functools.partial(generate, model=...)`, so the inputs of
     `model.generate(input_ids, ...)` arrive positionally.
+
+    The model keeps one `LookaheadState` for its life, as `model.lookahead_state` (what `enable_lookahead` gives):
+    created by its first call here, since a folder's `generate` is the only code of ours a server runs. Requests
+    then share the cost table, the carried estimates and the suffix memory.
     """
+    if "lookahead_state" not in vars(model):
+        # `setdefault` on the instance dict is atomic: two first requests at once agree on one state.
+        vars(model).setdefault("lookahead_state", LookaheadState())
     try:
         return generate_with_lookahead(model, *args, default_window=DEFAULT_WINDOW, **kwargs)
     except ValueError as error:

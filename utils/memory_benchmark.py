@@ -1,0 +1,288 @@
+"""
+What the suffix memory gains across calls (`python utils/benchmark.py --memory`): four workloads that repeat
+themselves, each prompt run by every method in turn (interleaved, order rotated per prompt), the memory empty at
+the start of each repeat:
+
+- `humaneval_sequence`: HumanEval tuning prompts answered one after another;
+- `mt_bench_two_turn`: MT-Bench tuning conversations, both turns (the second turn's prompt holds the first answer);
+- `edit`: rewrites of HumanEval canonical solutions (type hints and a docstring, a renamed variable, comments),
+  whose answers copy much of their input;
+- `sampled_repeat`: the HumanEval prompts asked again, sampled at temperature 0.7.
+
+Methods: greedy (plain sampling for the sampled workload), prompt lookup (10 tokens), `"auto"` without memory and
+`"auto"` with memory.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+import tracemalloc
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from transformers_lookahead import LookaheadState
+from transformers_lookahead.suffix_memory import SuffixMemory
+from utils.assets import humaneval_problems, mtbench_questions, tuning_prompts
+
+MEMORY_METHODS = {
+    "greedy": {},
+    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+    "auto_no_memory": {"lookahead_window": "auto", "lookahead_memory": False},
+    "auto_memory": {"lookahead_window": "auto", "lookahead_memory": True},
+}
+WORKLOADS = ("humaneval_sequence", "mt_bench_two_turn", "edit", "sampled_repeat")
+SAMPLED_TEMPERATURE = 0.7
+EDITS = (
+    "Add type hints and a docstring to this function.",
+    "Rename the variable `{old}` to `{new}` in this function.",
+    "Add a short comment above each line of this function.",
+)
+
+
+@dataclass
+class MemoryRun:
+    """One generation of one prompt of one workload by one method."""
+
+    workload: str
+    prompt_id: str
+    method: str
+    repeat: int
+    new_tokens: int
+    seconds: float
+    forward_seconds: float
+    forward_passes: int
+    identical_to_greedy: bool | None = None
+
+
+def chat_ids(tokenizer, messages: list[dict], device) -> torch.LongTensor:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ].to(device)
+
+
+def _without_docstring(code: str) -> str:
+    return re.sub(r'\n\s*(""".*?"""|\'\'\'.*?\'\'\')', "", code, count=1, flags=re.DOTALL)
+
+
+def edit_prompts(count: int, cache_dir=None) -> list[tuple[str, str]]:
+    """`(prompt_id, text)` of `count` rewrites of HumanEval tuning solutions (HumanEval/0-81), cycling over `EDITS`."""
+    prompts = []
+    problems = [p for p in humaneval_problems(cache_dir) if int(p["task_id"].split("/")[1]) <= 81]
+    for index, problem in enumerate(problems[:count]):
+        code = problem["prompt"] + problem["canonical_solution"]
+        kind = index % len(EDITS)
+        instruction = EDITS[kind]
+        if kind == 0:
+            code = _without_docstring(code)
+        elif kind == 1:
+            signature = re.search(rf"def {problem['entry_point']}\((\w+)", code)
+            old = signature.group(1) if signature else problem["entry_point"]
+            instruction = instruction.format(old=old, new=f"{old}_renamed")
+        prompts.append((f"edit/{problem['task_id']}/{kind}", f"{instruction}\n\n```python\n{code.strip()}\n```"))
+    return prompts
+
+
+def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
+    """Runs the workloads `args.repeats` times; returns the runs, the memory sizes and the cost table used."""
+    from tqdm.auto import tqdm
+
+    humaneval = tuning_prompts("humaneval", args.cache_dir)[: args.num_prompts]
+    conversations = [q for q in mtbench_questions(args.cache_dir) if q["question_id"] % 10 in (1, 2, 3, 4, 5)]
+    conversations = conversations[: max(args.num_prompts // 2, 1)]
+    edits = edit_prompts(args.num_prompts, args.cache_dir)
+    # A table measured in this run: the run does not depend on one measured earlier on a busier machine.
+    model.lookahead_state = LookaheadState(cost_dir=None, memory_dir=None)
+    warm = chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}], device)
+    for kwargs in MEMORY_METHODS.values():
+        model.generate(warm, max_new_tokens=16, do_sample=False, **kwargs, **_namespace(kwargs, "warm-up"))
+    generations = len(MEMORY_METHODS) * (2 * len(humaneval) + 2 * len(conversations) + len(edits)) * args.repeats
+    progress = tqdm(total=generations, desc="memory workloads", unit="gen")
+    runner = _Runner(model, timer, progress, args.max_new_tokens)
+    memory_sizes, documents = [], []
+    for repeat in range(args.repeats):
+        runner.repeat, runner.namespace = repeat, f"repeat-{repeat}"
+        run = runner.run
+        for prompt_id, _, text in humaneval:
+            ids = chat_ids(tokenizer, [{"role": "user", "content": _code_request(text)}], device)
+            run("humaneval_sequence", prompt_id, ids, sampled=False)
+        for question in conversations:
+            messages = [{"role": "user", "content": question["turns"][0]}]
+            ids = chat_ids(tokenizer, messages, device)
+            answer = run("mt_bench_two_turn", f"mt_bench/{question['question_id']}/1", ids, sampled=False)
+            text = tokenizer.decode(answer[0, ids.shape[1] :], skip_special_tokens=True)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": question["turns"][1]}]
+            second = chat_ids(tokenizer, messages, device)
+            run("mt_bench_two_turn", f"mt_bench/{question['question_id']}/2", second, sampled=False)
+        for prompt_id, text in edits:
+            run("edit", prompt_id, chat_ids(tokenizer, [{"role": "user", "content": text}], device), sampled=False)
+        for prompt_id, _, text in humaneval:
+            ids = chat_ids(tokenizer, [{"role": "user", "content": _code_request(text)}], device)
+            run("sampled_repeat", prompt_id, ids, sampled=True)
+        memory = model.lookahead_state.memory(model, runner.namespace)
+        memory_sizes.append({"repeat": repeat, "tokens": len(memory), "documents": memory.num_documents})
+        documents = memory.documents()
+    progress.close()
+    costs = model.lookahead_state.cost_model(model)
+    return {
+        "runs": [asdict(r) for r in runner.runs],
+        "memory": memory_sizes,
+        "memory_bytes": _measured_bytes(model, documents),
+        "step_costs": dict(zip(costs.lengths, costs.costs)),
+    }
+
+
+class _Runner:
+    """Runs one prompt with every method in turn (the order rotated per prompt) and records the runs."""
+
+    def __init__(self, model, timer, progress, max_new_tokens: int):
+        self.model, self.timer, self.progress, self.max_new_tokens = model, timer, progress, max_new_tokens
+        self.runs: list[MemoryRun] = []
+        self.repeat, self.namespace = 0, ""
+
+    def run(self, workload: str, prompt_id: str, ids: torch.LongTensor, sampled: bool) -> torch.LongTensor:
+        """Returns greedy's output (plain sampling's for a sampled workload)."""
+        outputs = {}
+        names = list(MEMORY_METHODS)
+        shift = len(self.runs) // len(names) % len(names)
+        for name in names[shift:] + names[:shift]:
+            kwargs = MEMORY_METHODS[name]
+            common = {"max_new_tokens": self.max_new_tokens, "do_sample": sampled}
+            if sampled:
+                common["temperature"] = SAMPLED_TEMPERATURE
+                torch.manual_seed(zlib.crc32(prompt_id.encode()) + self.repeat)
+            self.timer.reset()
+            start = time.perf_counter()
+            outputs[name] = self.model.generate(ids, **common, **kwargs, **_namespace(kwargs, self.namespace))
+            seconds = time.perf_counter() - start
+            new_tokens = outputs[name].shape[1] - ids.shape[1]
+            self.runs.append(
+                MemoryRun(
+                    workload, prompt_id, name, self.repeat, new_tokens, seconds, self.timer.seconds, self.timer.calls
+                )
+            )
+            self.progress.update()
+        if not sampled:
+            for record in self.runs[-len(names) :]:
+                record.identical_to_greedy = bool(torch.equal(outputs[record.method], outputs["greedy"]))
+        return outputs["greedy"]
+
+
+def _namespace(kwargs: dict, namespace: str) -> dict:
+    return {"lookahead_memory_namespace": namespace} if kwargs.get("lookahead_memory") else {}
+
+
+def _code_request(text: str) -> str:
+    return f"Complete the following Python function.\n\n```python\n{text}```"
+
+
+def _measured_bytes(model, documents: list[tuple[int, ...]]) -> int:
+    """The host memory a memory holding `documents` takes, measured by rebuilding it under `tracemalloc`."""
+    from transformers_lookahead.suffix_memory import vocabulary_key
+
+    tracemalloc.start()
+    memory = SuffixMemory(vocabulary_key(model), 10**9)
+    memory.add(documents)
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del memory
+    return size
+
+
+def summarize_memory(result: dict) -> list[dict]:
+    """
+    Per workload and method: tokens/s, the ratio to greedy (to plain sampling for the sampled workload: tokens/s over
+    tokens/s, since sampled lengths differ; else the sum of greedy's median seconds over the method's), the ratio
+    to prompt lookup, tokens per forward, host share of the time, and greedy-identical outputs.
+    """
+    runs = result["runs"]
+    by = defaultdict(list)
+    for run in runs:
+        by[(run["workload"], run["method"])].append(run)
+    rows = []
+    for workload in WORKLOADS:
+        rates = {}
+        for method in MEMORY_METHODS:
+            selected = by.get((workload, method), [])
+            if selected:
+                rates[method] = _rate(selected, by[(workload, "greedy")], workload)
+        for method, (tokens_per_s, speedup) in rates.items():
+            selected = by[(workload, method)]
+            tokens = sum(r["new_tokens"] for r in selected)
+            seconds = sum(r["seconds"] for r in selected)
+            identical = [r["identical_to_greedy"] for r in selected if r["identical_to_greedy"] is not None]
+            rows.append(
+                {
+                    "workload": workload,
+                    "method": method,
+                    "generations": len(selected),
+                    "tokens_per_s": tokens_per_s,
+                    "speedup": speedup,
+                    "vs_prompt_lookup": speedup / rates["prompt_lookup"][1] if "prompt_lookup" in rates else None,
+                    "tokens_per_forward": tokens / sum(r["forward_passes"] for r in selected),
+                    "host_share": 1 - sum(r["forward_seconds"] for r in selected) / seconds,
+                    "identical": f"{sum(identical)}/{len(identical)}" if identical else "sampled",
+                }
+            )
+    return rows
+
+
+def _rate(selected: list[dict], greedy: list[dict], workload: str) -> tuple[float, float]:
+    tokens_per_s = sum(r["new_tokens"] for r in selected) / sum(r["seconds"] for r in selected)
+    if workload == "sampled_repeat":
+        return tokens_per_s, tokens_per_s / (sum(r["new_tokens"] for r in greedy) / sum(r["seconds"] for r in greedy))
+    medians: Callable[[list[dict]], float] = lambda records: sum(  # noqa: E731
+        statistics.median(r["seconds"] for r in records if r["prompt_id"] == prompt_id)
+        for prompt_id in {r["prompt_id"] for r in records}
+    )
+    return tokens_per_s, medians(greedy) / medians(selected)
+
+
+def format_memory_table(rows: list[dict], result: dict) -> str:
+    header = (
+        f"{'workload':<20} {'method':<16} {'n':>3} {'tok/s':>7} {'vs greedy':>9} {'vs PLD':>7} {'tok/fwd':>8} "
+        f"{'host':>6} {'identical':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        versus = f"{row['vs_prompt_lookup']:>6.2f}x" if row["vs_prompt_lookup"] is not None else f"{'':>7}"
+        lines.append(
+            f"{row['workload']:<20} {row['method']:<16} {row['generations']:>3} {row['tokens_per_s']:>7.1f} "
+            f"{row['speedup']:>8.2f}x {versus} {row['tokens_per_forward']:>8.2f} {row['host_share']:>6.1%} "
+            f"{row['identical']:>9}"
+        )
+    sizes = ", ".join(
+        f"repeat {m['repeat']}: {m['tokens']} tokens in {m['documents']} calls" for m in result["memory"]
+    )
+    lines.append(f"memory at the end of each repeat: {sizes}; measured size {result['memory_bytes'] / 2**20:.1f} MiB")
+    lines.append("vs greedy: plain sampling for sampled_repeat (tokens/s ratio)")
+    return "\n".join(lines)
+
+
+def plot_memory(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in MEMORY_METHODS if m != "greedy"]
+    figure, axis = plt.subplots(figsize=(10, 5))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [
+            next((r["speedup"] for r in rows if r["workload"] == w and r["method"] == method), 0) for w in WORKLOADS
+        ]
+        axis.bar([x + i * width for x in range(len(WORKLOADS))], values, width, label=method)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(WORKLOADS))])
+    axis.set_xticklabels(WORKLOADS)
+    axis.set_ylabel("speedup vs greedy / plain sampling (x)")
+    axis.set_title("Suffix memory across calls (SmolLM2-135M)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
