@@ -12,7 +12,7 @@ BENCH_ARGS ?=
 TRANSFORMERS_OLDEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' setup.py)
 OLDEST_VENV ?= .venv-oldest
 
-.PHONY: install test test-oldest quality style bench bench-full cost-curve gpu-check clean
+.PHONY: install test test-oldest quality style bench bench-full bench-memory cost-curve gpu-check serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,12 +52,21 @@ bench: install
 bench-full: install
 	$(PY) utils/benchmark.py --full $(BENCH_ARGS)
 
+# The suffix memory across calls: four workloads that repeat themselves, greedy / prompt lookup / "auto" without and
+# with memory (about 30 minutes on 2 cores with BENCH_ARGS="--num-prompts 6").
+bench-memory: install
+	$(PY) utils/benchmark.py --memory $(BENCH_ARGS)
+
 cost-curve: install
 	$(PY) utils/benchmark.py --cost-curve $(BENCH_ARGS)
 
 # Accelerator checks on tiny random models (no network); DEVICE=cpu runs them on the CPU.
 gpu-check: install
 	$(PY) utils/gpu_check.py $(GPU_CHECK_ARGS)
+
+# SmolLM2-135M-Instruct behind `transformers serve` on 127.0.0.1:8000, decoding with lookahead ("auto").
+serve: install
+	$(PY) utils/serving.py $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

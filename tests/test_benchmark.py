@@ -14,6 +14,7 @@ from utils.benchmark import (
     summarize_batched,
     summarize_sampling,
 )
+from utils.memory_benchmark import edit_prompts, format_memory_table, summarize_memory
 
 
 def _run(method, prompt_id, category, seconds, passes, identical=True, repeat=0):
@@ -151,3 +152,47 @@ class SamplingAndBatchedSummaryTest(unittest.TestCase):
         generated = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8]])
         self.assertEqual(_generated_lengths(generated, 2).tolist(), [2, 4])
         self.assertEqual(_generated_lengths(generated, None).tolist(), [4, 4])
+
+
+class MemoryBenchmarkSummaryTest(unittest.TestCase):
+    def _runs(self):
+        runs = []
+        for method, seconds, passes in (
+            ("greedy", 10.0, 100),
+            ("prompt_lookup", 8.0, 80),
+            ("auto_no_memory", 8.0, 70),
+            ("auto_memory", 5.0, 40),
+        ):
+            for workload in ("humaneval_sequence", "sampled_repeat"):
+                sampled = workload == "sampled_repeat"
+                run = _run(method, "p1", "humaneval", seconds, passes, identical=None if sampled else True)
+                del run["category"]
+                runs.append({**run, "workload": workload})
+        return runs
+
+    def test_ratios_to_greedy_and_to_prompt_lookup(self):
+        result = {
+            "runs": self._runs(),
+            "memory": [{"repeat": 0, "tokens": 300, "documents": 2}],
+            "memory_bytes": 2**20,
+        }
+        rows = {(r["workload"], r["method"]): r for r in summarize_memory(result)}
+        memory = rows[("humaneval_sequence", "auto_memory")]
+        self.assertAlmostEqual(memory["speedup"], 2.0)
+        self.assertAlmostEqual(memory["vs_prompt_lookup"], 2.0 / 1.25)
+        self.assertAlmostEqual(memory["tokens_per_forward"], 2.5)
+        self.assertAlmostEqual(memory["host_share"], 0.1)
+        self.assertEqual(memory["identical"], "1/1")
+        self.assertEqual(rows[("sampled_repeat", "auto_memory")]["identical"], "sampled")
+        self.assertAlmostEqual(rows[("sampled_repeat", "auto_memory")]["speedup"], 2.0, msg="tokens/s ratio")
+        table = format_memory_table(list(rows.values()), result)
+        self.assertIn("300 tokens in 2 calls", table)
+        self.assertIn("1.0 MiB", table)
+
+    def test_edit_prompts_cycle_over_the_rewrites(self):
+        prompts = edit_prompts(3)
+        self.assertEqual([prompt_id.split("/")[-1] for prompt_id, _ in prompts], ["0", "1", "2"])
+        self.assertTrue(all(prompt_id.startswith("edit/HumanEval/") for prompt_id, _ in prompts))
+        self.assertNotIn('"""', prompts[0][1], "the docstring is for the answer to add")
+        self.assertIn("Rename the variable `", prompts[1][1])
+        self.assertIn("_renamed`", prompts[1][1])

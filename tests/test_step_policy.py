@@ -5,7 +5,13 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
-from transformers_lookahead.cost_model import COST_DIR_VARIABLE, StepCostModel, default_cost_dir, measure_step_costs
+from transformers_lookahead.cost_model import (
+    COST_DIR_VARIABLE,
+    StepCostModel,
+    _non_decreasing,
+    default_cost_dir,
+    measure_step_costs,
+)
 from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 from transformers_lookahead.step_policy import (
     AdaptiveStepPolicy,
@@ -38,6 +44,10 @@ class StepCostModelTest(unittest.TestCase):
         self.assertAlmostEqual(STEEP(36), 5.0)
         self.assertAlmostEqual(STEEP(72), 8.0 + 8 * 6 / 56)
 
+    def test_a_measured_dip_is_noise(self):
+        self.assertEqual(_non_decreasing([1.0, 1.75, 1.25, 1.5, 2.0]), [1.0, 1.5, 1.5, 1.5, 2.0])
+        self.assertEqual(_non_decreasing([1.0, 1.5, 2.0]), [1.0, 1.5, 2.0])
+
     def test_batch_cost_is_the_cost_of_all_rows_tokens(self):
         batch = STEEP.for_batch(4)
         self.assertEqual(batch(1), 1.0)
@@ -47,9 +57,10 @@ class StepCostModelTest(unittest.TestCase):
 
     def test_measure_and_keep(self):
         model = tiny_model("llama")
-        costs = measure_step_costs(model, grid=(1, 2, 4))
-        self.assertEqual(sorted(costs), [1, 2, 4])
+        costs = measure_step_costs(model, grid=(1, 2, 4, 8))
+        self.assertEqual(sorted(costs), [1, 2, 4, 8])
         self.assertEqual(costs[1], 1.0)
+        self.assertEqual([costs[length] for length in (1, 2, 4, 8)], sorted(costs.values()), "never decreasing")
         with tempfile.TemporaryDirectory() as tmp, self._counting() as measure:
             StepCostModel.for_model(model, tmp)
             self.assertEqual(measure.call_count, 1)
@@ -60,8 +71,11 @@ class StepCostModelTest(unittest.TestCase):
             StepCostModel.for_model(model, tmp)
             self.assertEqual(measure.call_count, 2, "a corrupt table is measured again")
             self.assertIn("relative_costs", json.loads(table.read_text()), "and replaced")
+            table.write_text(json.dumps({"relative_costs": {"1": 1.0, "2": 1.5}}))
+            StepCostModel.for_model(model, tmp)
+            self.assertEqual(measure.call_count, 3, "a table measured the old way is measured again")
             StepCostModel.for_model(model, None)
-            self.assertEqual(measure.call_count, 3, "without a directory every request measures")
+            self.assertEqual(measure.call_count, 4, "without a directory every request measures")
 
     def test_unwritable_directory_is_harmless(self):
         model = tiny_model("llama")

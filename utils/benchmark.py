@@ -48,6 +48,7 @@ from utils.memory_benchmark import (  # noqa: E402
     run_memory_benchmark,
     summarize_memory,
 )
+from utils.plotting import grouped_bars  # noqa: E402
 
 # name -> generate() keyword arguments
 METHODS = {
@@ -376,17 +377,14 @@ def plot(result: dict, rows: list[dict], path: Path) -> None:
         figure, left = plt.subplots(1, 1, figsize=(10, 5))
     categories = sorted({r["category"] for r in rows})
     methods = [m for m in METHODS if m != "greedy" and any(r["method"] == m for r in rows)]
-    width = 0.8 / max(len(methods), 1)
-    for i, method in enumerate(methods):
-        values = [
+    series = {
+        method: [
             next((r["speedup"] for r in rows if r["method"] == method and r["category"] == c), 0) for c in categories
         ]
-        left.bar([x + i * width for x in range(len(categories))], values, width, label=method)
-    left.axhline(1.0, color="black", linewidth=0.8)
-    left.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))])
-    left.set_xticklabels(categories, rotation=30, ha="right")
+        for method in methods
+    }
+    grouped_bars(left, categories, series, rotation=30)
     left.set_ylabel("speedup vs greedy (x)")
-    left.legend()
     left.set_title("Speedup per category")
     if sweep:
         right.plot([s["window"] for s in sweep], [s["compression"] for s in sweep], marker="o")

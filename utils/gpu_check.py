@@ -14,6 +14,7 @@ Checks (each prints one line; the run fails if an exactness check fails):
 - static cache with `torch.compile` (inductor on an accelerator, the eager backend on the CPU);
 - offloaded cache: refused with its reason;
 - a left-padded batch against batched greedy;
+- the suffix memory: a repeated request exact (and in fewer passes), seeded sampling the same with and without it;
 - the cost curve: forward time against step length on a ~100M-parameter random Llama (a smaller one on the CPU).
 """
 
@@ -165,6 +166,28 @@ def check_batch(report: Report, device: torch.device) -> None:
     )
 
 
+def check_memory_and_sampling(report: Report, device: torch.device) -> None:
+    """A repeated request answered from the suffix memory, exactly; a seeded sampled call whatever the memory holds."""
+    model = _model("llama", device)
+    prompt = random_prompt(24, seed=5).to(device)
+    first, again = (_greedy_pair(model, prompt, lookahead_window="auto")[1] for _ in range(2))
+    plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    report.add(
+        "memory: repeated request exact",
+        bool(torch.equal(first.sequences, plain) and torch.equal(again.sequences, plain)),
+        forward_passes=f"{first.num_forward_passes} then {again.num_forward_passes}",
+    )
+    samples = []
+    for memory in (False, True):
+        torch.manual_seed(0)
+        samples.append(
+            model.generate(
+                prompt, max_new_tokens=NEW_TOKENS, do_sample=True, lookahead_window="auto", lookahead_memory=memory
+            )
+        )
+    report.add("seeded sampling independent of the memory", bool(torch.equal(*samples)))
+
+
 def check_cost_curve(report: Report, device: torch.device) -> None:
     size = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16}
     if device.type == "cpu":
@@ -204,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         check_static_compile,
         check_offloaded,
         check_batch,
+        check_memory_and_sampling,
         check_cost_curve,
     ):
         try:

@@ -29,6 +29,7 @@ import torch
 from transformers_lookahead import LookaheadState
 from transformers_lookahead.suffix_memory import SuffixMemory
 from utils.assets import humaneval_problems, mtbench_questions, tuning_prompts
+from utils.plotting import grouped_bars
 
 MEMORY_METHODS = {
     "greedy": {},
@@ -270,19 +271,16 @@ def plot_memory(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = [m for m in MEMORY_METHODS if m != "greedy"]
     figure, axis = plt.subplots(figsize=(10, 5))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        values = [
+    series = {
+        method: [
             next((r["speedup"] for r in rows if r["workload"] == w and r["method"] == method), 0) for w in WORKLOADS
         ]
-        axis.bar([x + i * width for x in range(len(WORKLOADS))], values, width, label=method)
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(WORKLOADS))])
-    axis.set_xticklabels(WORKLOADS)
+        for method in MEMORY_METHODS
+        if method != "greedy"
+    }
+    grouped_bars(axis, list(WORKLOADS), series)
     axis.set_ylabel("speedup vs greedy / plain sampling (x)")
     axis.set_title("Suffix memory across calls (SmolLM2-135M)")
-    axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -46,7 +46,7 @@ AUTO_GUESS = 8
 AUTO_CONTEXT_DEPTH = 8
 # The largest window "auto" considers.
 AUTO_MAX_WINDOW = 16
-# The suffix memory (see `SuffixMemory`): tokens kept per namespace (about 750 bytes each in Python objects), the
+# The suffix memory (see `SuffixMemory`): tokens kept per namespace (0.4-0.75 KiB each in Python objects), the
 # deepest continuation it proposes, and the most tree nodes it adds to one step.
 DEFAULT_MEMORY_SIZE = 65536
 DEFAULT_MEMORY_NAMESPACE = "default"
@@ -87,7 +87,7 @@ class LookaheadConfig:
             every candidate and cannot take the memory's variable tree (True is refused there).
         memory_size (`int`):
             The most tokens the memory of `memory_namespace` keeps (>= 1); the oldest calls' sequences are evicted
-            first. Each token costs about 750 bytes of host memory.
+            first. Each token costs 0.4-0.75 KiB of host memory (more for less repetitive text).
         memory_namespace (`str`):
             Which memory of the model the call reads and feeds: calls of different namespaces (users, tenants) never
             see each other's text. 1 to 64 letters, digits, `.`, `_` or `-`.

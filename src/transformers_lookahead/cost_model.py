@@ -25,6 +25,8 @@ logger = logging.get_logger(__name__)
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 _CONTEXT = 128
 _ROUNDS = 5
+# How `measure_step_costs` measures; tables kept by an earlier method (noisier) are measured again.
+MEASUREMENT_METHOD = "interleaved-rounds-monotone"
 
 
 # Environment variable naming where measured cost tables are kept: a directory, or "off" to keep them in memory only.
@@ -105,15 +107,17 @@ class StepCostModel:
         path = None if cost_dir is None else Path(cost_dir) / f"step-cost-{model_key(model)}.json"
         if path is not None:
             try:
-                return cls({int(k): float(v) for k, v in json.loads(path.read_text())["relative_costs"].items()})
+                kept = json.loads(path.read_text())
+                if kept.get("method") == MEASUREMENT_METHOD:
+                    return cls({int(k): float(v) for k, v in kept["relative_costs"].items()})
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                pass  # Missing, corrupt or foreign: measured again and replaced below.
+                pass  # Missing, corrupt or foreign (or measured the old way): measured again and replaced below.
         costs = measure_step_costs(model, encoder_outputs=encoder_outputs)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 partial = path.with_suffix(f".{os.getpid()}.part")
-                partial.write_text(json.dumps({"relative_costs": costs}, indent=1))
+                partial.write_text(json.dumps({"method": MEASUREMENT_METHOD, "relative_costs": costs}, indent=1))
                 partial.replace(path)
             except OSError as error:
                 logger.warning(
@@ -143,8 +147,9 @@ def measure_step_costs(
     model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID, encoder_outputs: Any = None
 ) -> dict[int, float]:
     """
-    Times one forward pass per step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
-    logits (as a lookahead step has), and returns each median divided by the one-token median.
+    Times forward passes of every step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
+    logits (as a lookahead step has), in `_ROUNDS` rounds of one pass per length; returns, per length, the median
+    over rounds of its time over the one-token time of the same round, made non-decreasing in the length.
 
     Args:
         model (`PreTrainedModel`): the model.

@@ -83,7 +83,7 @@ class TokenTree:
         """
         node = -1
         for depth, token in enumerate(tokens, start=1):
-            node = self._child_or_new(node, token, depth)
+            node = self.ensure_child(node, token, depth)
             self.in_context[node] = True
 
     def add_memory(self, match: MemoryMatch, max_nodes: int) -> None:
@@ -104,7 +104,7 @@ class TokenTree:
                     if added == max_nodes:
                         break
                     added += 1
-                node = self._child_or_new(node, token, depth)
+                node = self.ensure_child(node, token, depth)
                 path.append(node)
             if not path:
                 break
@@ -112,7 +112,7 @@ class TokenTree:
             for child in path:
                 self.memory_counts[child] += 1
 
-    def _child_or_new(self, node: int, token: int, depth: int) -> int:
+    def ensure_child(self, node: int, token: int, depth: int) -> int:
         """The child of `node` that holds `token`, created (from no source yet) if missing."""
         child = self.child(node, token)
         if child is None:
@@ -242,15 +242,8 @@ class NGramPool:
             next_frontier = []
             for children, parent in frontier:
                 for token, (count, grandchildren) in children.items():
-                    node = len(tree.tokens)
-                    tree.tokens.append(token)
-                    tree.counts.append(count)
-                    tree.in_context.append(False)
-                    tree.memory_counts.append(0)
-                    tree.parents.append(parent)
-                    tree.depths.append(depth)
-                    tree.children.append({})
-                    tree.children[parent + 1][token] = node
+                    node = tree.ensure_child(parent, token, depth)
+                    tree.counts[node] = count
                     if grandchildren:
                         next_frontier.append((grandchildren, node))
             frontier = next_frontier
