@@ -36,13 +36,19 @@ def _messages(dataset: str, text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def _request(client, model_id: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed request: when it started, its first text and its end, the tokens it got, and the text."""
+def _request(client, model_id: str, messages: list[dict], max_tokens: int, namespace: str | None = None) -> dict:
+    """
+    One streamed request: when it started, its first text and its end, the tokens it got, and the text. A
+    `namespace` goes to the lookahead server as the request's `lookahead_memory_namespace`.
+    """
     started = time.perf_counter()
     first = None
     parts, tokens = [], None
+    extra = {}
+    if namespace is not None:
+        extra["extra_body"] = {"generation_config": json.dumps({"lookahead_memory_namespace": namespace})}
     stream = client.chat.completions.create(
-        model=model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+        model=model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, **extra
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -63,7 +69,9 @@ def _request(client, model_id: str, messages: list[dict], max_tokens: int) -> di
     }
 
 
-def _replay(client, model_id: str, requests: list[list[dict]], clients: int, max_tokens: int) -> dict:
+def _replay(
+    client, model_id: str, requests: list[list[dict]], clients: int, max_tokens: int, namespace: str | None = None
+) -> dict:
     """All `requests` through `clients` concurrent clients (each takes the next request when it is done)."""
     pending = list(enumerate(requests))
     results: dict[int, dict] = {}
@@ -77,7 +85,7 @@ def _replay(client, model_id: str, requests: list[list[dict]], clients: int, max
                     return
                 index, messages = pending.pop(0)
             try:
-                results[index] = _request(client, model_id, messages, max_tokens)
+                results[index] = _request(client, model_id, messages, max_tokens, namespace)
             except Exception as error:  # reported after the batch
                 errors.append(repr(error))
                 return
@@ -205,8 +213,18 @@ def main(argv: list[str] | None = None) -> None:
                 for repeat in range(args.repeats):
                     order = ["plain", "lookahead"] if repeat % 2 == 0 else ["lookahead", "plain"]
                     texts = {}
+                    # Every batch starts with an empty suffix memory, as for prompts a server has not seen: the same
+                    # prompts come back in every batch, and a shared memory would answer them from the last one.
+                    namespace = f"{dataset}-{count}-{repeat}"
                     for name in order:
-                        result = _replay(clients[name], str(folders[name]), prompts[dataset], count, args.max_tokens)
+                        result = _replay(
+                            clients[name],
+                            str(folders[name]),
+                            prompts[dataset],
+                            count,
+                            args.max_tokens,
+                            namespace if name == "lookahead" else None,
+                        )
                         texts[name] = [r["text"] for r in result["requests"]]
                         runs.append({"dataset": dataset, "clients": count, "server": name, "repeat": repeat, **result})
                         progress.update()

@@ -35,13 +35,16 @@ def lookahead_folder(window: int | str = "auto", cache_dir: str | Path | None = 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from transformers_lookahead import save_lookahead_model
+    from transformers_lookahead import HUB_FOLDER, save_lookahead_model
 
     source = smollm2_path(cache_dir)
     folder = Path(cache_dir or default_cache_dir() / "assets") / (
         "serve-plain" if plain else f"serve-lookahead-{window}"
     )
     if (folder / "config.json").is_file():
+        if not plain:
+            # The entry point of the installed package, not of the one that wrote the folder.
+            shutil.copytree(Path(HUB_FOLDER) / "custom_generate", folder / "custom_generate", dirs_exist_ok=True)
         return folder
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
