@@ -191,8 +191,9 @@ class MemoryBenchmarkSummaryTest(unittest.TestCase):
 
     def test_edit_prompts_cycle_over_the_rewrites(self):
         prompts = edit_prompts(3)
-        self.assertEqual([prompt_id.split("/")[-1] for prompt_id, _ in prompts], ["0", "1", "2"])
-        self.assertTrue(all(prompt_id.startswith("edit/HumanEval/") for prompt_id, _ in prompts))
+        self.assertEqual(
+            [prompt_id for prompt_id, _ in prompts], ["edit/HumanEval/0/0", "edit/HumanEval/1/1", "edit/HumanEval/2/2"]
+        )
         self.assertNotIn('"""', prompts[0][1], "the docstring is for the answer to add")
         self.assertIn("Rename the variable `", prompts[1][1])
         self.assertIn("_renamed`", prompts[1][1])

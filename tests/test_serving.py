@@ -200,7 +200,7 @@ class ServeMemoryTest(unittest.TestCase):
                     )
                     if len(answers) == 2:
                         tenant = {"generation_config": json.dumps({"lookahead_memory_namespace": "tenant-b"})}
-                        client.chat.completions.create(
+                        tenant_answer = client.chat.completions.create(
                             model=str(folder),
                             messages=[{"role": "user", "content": prompt}],
                             max_tokens=16,
@@ -213,4 +213,5 @@ class ServeMemoryTest(unittest.TestCase):
             documents = {name: read_memory_file(path, vocabulary_key(model)) for name, path in files.items()}
         self.assertEqual(len(documents["default"]), 2, "the restarted server loaded the first one's memory")
         self.assertEqual(len(documents["tenant-b"]), 1)
-        self.assertTrue(all(answer.choices[0].message.content for answer in answers))
+        # Another tenant's memory holds other text; the greedy answer is the same.
+        self.assertEqual(tenant_answer.choices[0].message.content, answers[1].choices[0].message.content)

@@ -327,14 +327,18 @@ def held_out_prompts(dataset: str, cache_dir: str | Path | None = None) -> list[
     return [item for item in everything if item[0] not in tuning]
 
 
-def chat_input_ids(tokenizer, text: str, dataset: str):
+def chat_messages(text: str, dataset: str) -> list[dict]:
     """
-    Token ids the way users prompt an instruct model: MT-Bench questions through the chat template, HumanEval
-    prompts as a request to complete the code.
+    The chat the way users prompt an instruct model: MT-Bench questions as they are, HumanEval prompts as a request to
+    complete the code.
     """
     if dataset == "humaneval":
         text = f"Complete the following Python function.\n\n```python\n{text}```"
-    messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
+    return [{"role": "user", "content": text}]
+
+
+def chat_input_ids(tokenizer, text: str, dataset: str):
+    """Token ids of `chat_messages(text, dataset)` through the chat template."""
+    return tokenizer.apply_chat_template(
+        chat_messages(text, dataset), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]

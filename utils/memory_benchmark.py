@@ -21,14 +21,13 @@ import time
 import tracemalloc
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from transformers_lookahead import LookaheadState
-from transformers_lookahead.suffix_memory import SuffixMemory
-from utils.assets import humaneval_problems, mtbench_questions, tuning_prompts
+from transformers_lookahead.suffix_memory import SuffixMemory, vocabulary_key
+from utils.assets import chat_input_ids, humaneval_problems, mtbench_questions, tuning_prompts
 from utils.plotting import grouped_bars
 
 MEMORY_METHODS = {
@@ -110,8 +109,9 @@ def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
         runner.repeat, runner.namespace = repeat, f"repeat-{repeat}"
         run = runner.run
         for prompt_id, _, text in humaneval:
-            ids = chat_ids(tokenizer, [{"role": "user", "content": _code_request(text)}], device)
-            run("humaneval_sequence", prompt_id, ids, sampled=False)
+            run(
+                "humaneval_sequence", prompt_id, chat_input_ids(tokenizer, text, "humaneval").to(device), sampled=False
+            )
         for question in conversations:
             messages = [{"role": "user", "content": question["turns"][0]}]
             ids = chat_ids(tokenizer, messages, device)
@@ -123,8 +123,7 @@ def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
         for prompt_id, text in edits:
             run("edit", prompt_id, chat_ids(tokenizer, [{"role": "user", "content": text}], device), sampled=False)
         for prompt_id, _, text in humaneval:
-            ids = chat_ids(tokenizer, [{"role": "user", "content": _code_request(text)}], device)
-            run("sampled_repeat", prompt_id, ids, sampled=True)
+            run("sampled_repeat", prompt_id, chat_input_ids(tokenizer, text, "humaneval").to(device), sampled=True)
         memory = model.lookahead_state.memory(model, runner.namespace)
         memory_sizes.append({"repeat": repeat, "tokens": len(memory), "documents": memory.num_documents})
         documents = memory.documents()
@@ -178,14 +177,8 @@ def _namespace(kwargs: dict, namespace: str) -> dict:
     return {"lookahead_memory_namespace": namespace} if kwargs.get("lookahead_memory") else {}
 
 
-def _code_request(text: str) -> str:
-    return f"Complete the following Python function.\n\n```python\n{text}```"
-
-
 def _measured_bytes(model, documents: list[tuple[int, ...]]) -> int:
     """The host memory a memory holding `documents` takes, measured by rebuilding it under `tracemalloc`."""
-    from transformers_lookahead.suffix_memory import vocabulary_key
-
     tracemalloc.start()
     memory = SuffixMemory(vocabulary_key(model), 10**9)
     memory.add(documents)
@@ -237,11 +230,13 @@ def _rate(selected: list[dict], greedy: list[dict], workload: str) -> tuple[floa
     tokens_per_s = sum(r["new_tokens"] for r in selected) / sum(r["seconds"] for r in selected)
     if workload == "sampled_repeat":
         return tokens_per_s, tokens_per_s / (sum(r["new_tokens"] for r in greedy) / sum(r["seconds"] for r in greedy))
-    medians: Callable[[list[dict]], float] = lambda records: sum(  # noqa: E731
-        statistics.median(r["seconds"] for r in records if r["prompt_id"] == prompt_id)
-        for prompt_id in {r["prompt_id"] for r in records}
-    )
-    return tokens_per_s, medians(greedy) / medians(selected)
+    return tokens_per_s, _sum_of_medians(greedy) / _sum_of_medians(selected)
+
+
+def _sum_of_medians(records: list[dict]) -> float:
+    """Each prompt's median time over the repeats, summed over prompts."""
+    prompt_ids = {r["prompt_id"] for r in records}
+    return sum(statistics.median(r["seconds"] for r in records if r["prompt_id"] == p) for p in prompt_ids)
 
 
 def format_memory_table(rows: list[dict], result: dict) -> str:

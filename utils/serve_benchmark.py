@@ -23,17 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.assets import tuning_prompts  # noqa: E402
+from utils.assets import chat_messages, tuning_prompts  # noqa: E402
 from utils.serving import ServeProcess, lookahead_folder  # noqa: E402
 
 DATASETS = ("humaneval", "mt_bench")
-
-
-def _messages(dataset: str, text: str) -> list[dict]:
-    # As `utils/assets.chat_input_ids` prompts the model in the other benchmarks.
-    if dataset == "humaneval":
-        text = f"Complete the following Python function.\n\n```python\n{text}```"
-    return [{"role": "user", "content": text}]
 
 
 def _request(client, model_id: str, messages: list[dict], max_tokens: int, namespace: str | None = None) -> dict:
@@ -189,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     window = args.window if args.window == "auto" else int(args.window)
     prompts = {
-        dataset: [_messages(dataset, text) for _, _, text in tuning_prompts(dataset)[: args.num_prompts]]
+        dataset: [chat_messages(text, dataset) for _, _, text in tuning_prompts(dataset)[: args.num_prompts]]
         for dataset in DATASETS
     }
     folders = {"plain": lookahead_folder(plain=True), "lookahead": lookahead_folder(window)}

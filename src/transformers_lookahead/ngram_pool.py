@@ -100,11 +100,13 @@ class TokenTree:
         for continuation in match.continuations:
             node, path = -1, []
             for depth, token in enumerate(continuation, start=1):
-                if self.child(node, token) is None:
+                child = self.child(node, token)
+                if child is None:
                     if added == max_nodes:
                         break
                     added += 1
-                node = self.ensure_child(node, token, depth)
+                    child = self.ensure_child(node, token, depth)
+                node = child
                 path.append(node)
             if not path:
                 break

@@ -112,7 +112,7 @@ class SuffixMemory:
         """
         with self._lock:
             for document in documents:
-                self._add(tuple(document[-self.max_tokens :]) if self.max_tokens else ())
+                self._add(tuple(document[-self.max_tokens :]))
             self._evict()
 
     def match(self, tokens: Sequence[int], max_depth: int) -> MemoryMatch | None:
