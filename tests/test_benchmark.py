@@ -1,8 +1,10 @@
 import unittest
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
+from transformers_lookahead import LookaheadState, enable_lookahead
 from utils.benchmark import (
     SPEECH,
     _decoded_tokens,
@@ -10,11 +12,14 @@ from utils.benchmark import (
     format_batched_table,
     format_sampling_table,
     format_table,
+    run_benchmark,
     summarize,
     summarize_batched,
     summarize_sampling,
 )
-from utils.memory_benchmark import edit_prompts, format_memory_table, summarize_memory
+from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
+
+from .utils import tiny_model
 
 
 def _run(method, prompt_id, category, seconds, passes, identical=True, repeat=0):
@@ -66,6 +71,46 @@ class BenchmarkSummaryTest(unittest.TestCase):
         # Whisper strips the EOS it decoded when the transcript ended before the limit.
         self.assertEqual(_decoded_tokens(torch.zeros(1, 6), 0, speech), 7)
         self.assertEqual(_decoded_tokens(torch.zeros(1, 10), 0, speech), 10)
+
+
+class RepeatsTest(unittest.TestCase):
+    def test_only_methods_that_keep_a_memory_get_a_namespace(self):
+        self.assertEqual(own_memory({"lookahead_window": "auto"}, "r"), {"lookahead_memory_namespace": "r"})
+        self.assertEqual(own_memory({"lookahead_window": "auto", "lookahead_memory": False}, "r"), {})
+        self.assertEqual(own_memory({"lookahead_window": 7}, "r"), {})
+        self.assertEqual(own_memory({}, "r"), {})
+
+    def test_a_repeat_is_not_answered_from_the_memory_of_the_one_before(self):
+        model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+        args = SimpleNamespace(
+            whisper=False,
+            methods=["greedy", "lookahead_auto"],
+            max_new_tokens=24,
+            repeats=3,
+            sweep_prompts=0,
+            dtype="float32",
+            command="test",
+        )
+        with (
+            mock.patch("utils.benchmark._load", return_value=(model, None, torch.device("cpu"))),
+            mock.patch("utils.benchmark._prompts", return_value=[("p", "c", ids, ids.shape[1])]),
+        ):
+            result = run_benchmark(args)
+        passes = [run["forward_passes"] for run in result["runs"] if run["method"] == "lookahead_auto"]
+        self.assertEqual(len(passes), 3)
+        self.assertGreater(min(passes), 0.75 * max(passes), f"no repeat is answered from memory: {passes}")
+        self.assertTrue(all(run["identical_to_greedy"] for run in result["runs"]))
+        # The same call with the memory the repeats had shared is answered from it: what the namespaces prevent.
+        again = model.generate(
+            ids,
+            max_new_tokens=24,
+            do_sample=False,
+            lookahead_window="auto",
+            lookahead_memory_namespace="repeat-0",
+            return_dict_in_generate=True,
+        )
+        self.assertLess(again.num_forward_passes, min(passes) / 2, f"repeats {passes}, from memory {again.num_forward_passes}")
 
 
 class SamplingAndBatchedSummaryTest(unittest.TestCase):

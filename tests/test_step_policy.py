@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import tempfile
@@ -137,8 +138,7 @@ class StepPolicyTest(unittest.TestCase):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
         tree = _tree()
         for _ in range(30):
-            policy.plan(tree, False, 1)
-            # Nothing verified (no nodes matched), but the accepted token equals a pooled candidate.
+            # Nothing verified (no plan asked for nodes), but the accepted token equals a pooled candidate.
             policy.observe(tree, Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
         self.assertGreater(policy.match_rate[1], 0.9)
         _, planned = policy.plan(tree, False, 1)
@@ -167,6 +167,26 @@ class StepPolicyTest(unittest.TestCase):
         use_window, planned = policy.plan(tree, True, 1, budget=6)
         self.assertFalse(use_window, "a window of 8 cannot fit in 6 tokens")
         self.assertLessEqual(1 + len(planned), 6)
+
+    def test_probes_that_do_not_pay_come_less_often(self):
+        policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, probe_every=32, max_probe_every=128)
+        probes = []
+        for step in range(700):
+            use_window, _ = policy.plan(_tree(), True, 1)
+            if use_window:
+                probes.append(step)
+            policy.observe(_tree(), Verdict([9], [], [], []), use_window, NGramPool(2, 3), 0)
+        gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
+        self.assertEqual(probes[0], 32)
+        self.assertEqual(gaps[:4], [65, 129, 129, 129], "the wait doubles up to its maximum")
+        self.assertEqual(policy.estimates().probe_wait, 128.0)
+        # A window worth running resets the wait, and a new call starts from the wait learnt.
+        policy.start_from(dataclasses.replace(policy.estimates(), window_credit=5.0, window_steps=1.0))
+        self.assertTrue(policy.plan(_tree(), True, 1)[0])
+        self.assertEqual(policy.estimates().probe_wait, 32.0)
+        fresh = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
+        fresh.start_from(dataclasses.replace(fresh.estimates(), probe_wait=128.0))
+        self.assertFalse(any(fresh.plan(_tree(), True, 1)[0] for _ in range(100)))
 
     def test_node_probabilities_follow_pool_shares(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
@@ -198,6 +218,59 @@ class StepPolicyTest(unittest.TestCase):
         self.assertGreater(len(fresh.plan(tree, False, 1)[1]), 0, "the prior verifies the likeliest continuation")
         policy.use_cost(MODEST)
         self.assertEqual(len(policy.plan(tree, False, 1)[1]), 0, "a memory that misses is not verified")
+
+
+class CalibrationTest(unittest.TestCase):
+    def _policy(self, predicted: float = 0.0, realized: float = 0.0) -> AdaptiveStepPolicy:
+        policy = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)
+        policy.start_from(dataclasses.replace(policy.estimates(), predicted=predicted, realized=realized))
+        return policy
+
+    def test_probabilities_are_scaled_by_accepted_over_predicted(self):
+        tree = _tree()
+        raw = self._policy().node_probabilities(tree)
+        self.assertEqual(self._policy().calibration, 1.0)
+        doubtful = self._policy(predicted=9.0, realized=2.0)
+        self.assertAlmostEqual(doubtful.calibration, 3.0 / 10.0)
+        for scaled, unscaled in zip(doubtful.node_probabilities(tree), raw):
+            self.assertAlmostEqual(scaled, 0.3 * unscaled)
+        confident = self._policy(predicted=1.0, realized=19.0)
+        self.assertEqual(confident.calibration, 10.0)
+        self.assertEqual(max(confident.node_probabilities(tree)), 1.0, "a probability never exceeds 1")
+        # The same tree, the same per-depth estimates: fewer nodes when verified nodes used to miss.
+        self.assertLess(len(doubtful.plan(tree, False, 1)[1]), len(self._policy().plan(tree, False, 1)[1]))
+        self.assertEqual(len(doubtful.plan(tree, False, 1)[1]), 0)
+
+    def test_verified_steps_update_the_sums(self):
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
+        tree = _tree()
+        raw = policy.node_probabilities(tree)
+        _, planned = policy.plan(tree, False, 1)
+        self.assertEqual(len(planned), len(tree), "a flat cost verifies every node")
+        one = tree.child(-1, 1)
+        policy.observe(tree, Verdict([1, 2, 9], [one, tree.child(one, 2)], [], []), False, NGramPool(2, 3), 0)
+        estimates = policy.estimates()
+        self.assertAlmostEqual(estimates.predicted, sum(raw))
+        self.assertEqual(estimates.realized, 2.0)
+        # A step that verified nothing only decays both sums.
+        policy.observe(tree, Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
+        self.assertAlmostEqual(policy.estimates().predicted, 0.95 * sum(raw))
+        self.assertAlmostEqual(policy.estimates().realized, 0.95 * 2.0)
+
+    def test_misses_stop_verification_then_it_is_tried_again(self):
+        policy = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)
+        tree = _tree()
+        steps_with_nodes = []
+        for step in range(200):
+            _, planned = policy.plan(tree, False, 1)
+            if len(planned):
+                steps_with_nodes.append(step)
+            # Every verified node misses, though the first token is one the pool offered: the per-depth estimate
+            # keeps rising while what is verified never pays.
+            policy.observe(tree, Verdict([4], [], [], []), False, NGramPool(2, 3), 0)
+        self.assertGreater(policy.match_rate[1], 0.9)
+        self.assertLess(len(steps_with_nodes), 100, "misses lower the calibration: most steps verify nothing")
+        self.assertGreater(steps_with_nodes[-1], 150, "and verification is tried again as the sums decay")
 
 
 class PolicyEstimatesTest(unittest.TestCase):

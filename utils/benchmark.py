@@ -44,6 +44,7 @@ from utils.assets import (  # noqa: E402
 )
 from utils.memory_benchmark import (  # noqa: E402
     format_memory_table,
+    own_memory,
     plot_memory,
     run_memory_benchmark,
     summarize_memory,
@@ -240,7 +241,8 @@ def run_benchmark(args) -> dict:
             for name, kwargs in methods.items():
                 timer.reset()
                 start = time.perf_counter()
-                out = model.generate(ids, **common, **kwargs)
+                # One memory per repeat: earlier prompts' answers may help, this prompt's earlier answer may not.
+                out = model.generate(ids, **common, **kwargs, **own_memory(kwargs, f"repeat-{repeat}"))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds = time.perf_counter() - start
@@ -416,7 +418,12 @@ def run_sampling_benchmark(args) -> dict:
                     timer.reset()
                     start = time.perf_counter()
                     out = model.generate(
-                        ids, do_sample=True, temperature=temperature, max_new_tokens=args.max_new_tokens, **kwargs
+                        ids,
+                        do_sample=True,
+                        temperature=temperature,
+                        max_new_tokens=args.max_new_tokens,
+                        **kwargs,
+                        **own_memory(kwargs, f"{temperature}-{repeat}"),
                     )
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
@@ -574,7 +581,7 @@ def run_batched_benchmark(args) -> dict:
                 for method, kwargs in methods.items():
                     timer.reset()
                     begin = time.perf_counter()
-                    out = model.generate(**inputs, **common, **kwargs)
+                    out = model.generate(**inputs, **common, **kwargs, **own_memory(kwargs, f"{size}-{repeat}"))
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     seconds = time.perf_counter() - begin

@@ -100,7 +100,7 @@ def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
     model.lookahead_state = LookaheadState(cost_dir=None, memory_dir=None)
     warm = chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}], device)
     for kwargs in MEMORY_METHODS.values():
-        model.generate(warm, max_new_tokens=16, do_sample=False, **kwargs, **_namespace(kwargs, "warm-up"))
+        model.generate(warm, max_new_tokens=16, do_sample=False, **kwargs, **own_memory(kwargs, "warm-up"))
     generations = len(MEMORY_METHODS) * (2 * len(humaneval) + 2 * len(conversations) + len(edits)) * args.repeats
     progress = tqdm(total=generations, desc="memory workloads", unit="gen")
     runner = _Runner(model, timer, progress, args.max_new_tokens)
@@ -158,7 +158,7 @@ class _Runner:
                 torch.manual_seed(zlib.crc32(prompt_id.encode()) + self.repeat)
             self.timer.reset()
             start = time.perf_counter()
-            outputs[name] = self.model.generate(ids, **common, **kwargs, **_namespace(kwargs, self.namespace))
+            outputs[name] = self.model.generate(ids, **common, **kwargs, **own_memory(kwargs, self.namespace))
             seconds = time.perf_counter() - start
             new_tokens = outputs[name].shape[1] - ids.shape[1]
             self.runs.append(
@@ -173,8 +173,14 @@ class _Runner:
         return outputs["greedy"]
 
 
-def _namespace(kwargs: dict, namespace: str) -> dict:
-    return {"lookahead_memory_namespace": namespace} if kwargs.get("lookahead_memory") else {}
+def own_memory(kwargs: dict, namespace: str) -> dict:
+    """
+    The extra `generate` arguments that give a method (its arguments `kwargs`) the suffix memory `namespace`, if it
+    keeps one (`"auto"` with its memory on): a benchmark that runs a prompt again must not have it answered from the
+    memory of the run before.
+    """
+    keeps_memory = kwargs.get("lookahead_window") == "auto" and kwargs.get("lookahead_memory", True)
+    return {"lookahead_memory_namespace": namespace} if keeps_memory else {}
 
 
 def _measured_bytes(model, documents: list[tuple[int, ...]]) -> int:

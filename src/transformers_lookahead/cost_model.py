@@ -195,7 +195,9 @@ def measure_step_costs(
     # Every round times each length once, and each length is judged against the one-token step of its own round:
     # load that comes and goes then shifts both alike instead of one length's repeats.
     rounds = [{length: timed(length) for length in grid} for _ in range(_ROUNDS)]
-    ratios = [statistics.median(times[length] / times[grid[0]] for times in rounds) for length in grid]
+    # No step is cheaper than the one-token step, which stays at exactly 1 (a tiny model's 2-token step can time
+    # below it, and pooling the two would move it).
+    ratios = [max(1.0, statistics.median(times[length] / times[grid[0]] for times in rounds)) for length in grid]
     return dict(zip(grid, _non_decreasing(ratios)))
 
 

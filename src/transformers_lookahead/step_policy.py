@@ -37,6 +37,9 @@ class PolicyEstimates:
         window_steps (`float`): decayed count of the steps that ran the window.
         memory_rate (`tuple[tuple[float]]`): per match length and depth, how often a continuation from the suffix
             memory matched once its parent had (empty without a memory).
+        predicted (`float`): decayed sum of the acceptance probabilities of the nodes steps verified.
+        realized (`float`): decayed sum of the nodes those steps accepted.
+        probe_wait (`float`): steps without the window before the next forced window step (0: not learnt).
     """
 
     match_rate: tuple[float, ...]
@@ -44,6 +47,9 @@ class PolicyEstimates:
     window_credit: float
     window_steps: float
     memory_rate: tuple[tuple[float, ...], ...] = ()
+    predicted: float = 0.0
+    realized: float = 0.0
+    probe_wait: float = 0.0
 
     @staticmethod
     def mean(estimates: list[PolicyEstimates]) -> PolicyEstimates:
@@ -59,6 +65,9 @@ class PolicyEstimates:
             sum(e.window_credit for e in estimates) / count,
             sum(e.window_steps for e in estimates) / count,
             tuple(average(rows) for rows in zip(*(e.memory_rate for e in estimates))),
+            sum(e.predicted for e in estimates) / count,
+            sum(e.realized for e in estimates) / count,
+            sum(e.probe_wait for e in estimates) / count,
         )
 
 
@@ -116,8 +125,17 @@ class AdaptiveStepPolicy(StaticStepPolicy):
       `memory_rate[k][d]`, of some remembered child matching once its parent matched, shared among the children by
       how many remembered continuations pass through each (as the pool's counts are). A long match earns deep
       candidates, a one-token match rarely any: the depth follows the match length through what was learnt.
+    - Calibration: the per-node estimates are learnt one depth and one source at a time, and a step verifies the
+      nodes that look best, so the nodes it verifies match less often than their estimates say (and sometimes more,
+      for copies of long repeated text). Every node's probability is therefore scaled by `calibration`, the ratio of
+      the nodes steps accepted to the probability they were predicted with (decayed sums, with `calibration_prior`
+      tokens of each to start from 1). Both sums decay at every step, so a policy that stopped verifying drifts back
+      to its uncalibrated estimates and tries again.
     - Window: adds `window_gain`, the tokens accepted per window step from n-grams only the window had found
-      (a running estimate with an optimistic start, re-probed after `probe_every` steps without the window).
+      (a running estimate with an optimistic start). After `probe_every` steps without the window, one step runs it
+      anyway; each such probe that does not make the window worth choosing doubles the wait (up to
+      `max_probe_every`), since on a device where the window costs much a probe every few dozen steps costs a few
+      percent of the time. Choosing the window resets the wait.
     - Cost: `StepCostModel` of the step length, its excess over a one-token step rescaled by a running factor
       learnt from the measured duration of the steps of this call (tables measured on an idle machine drift when
       the load or the context length changes).
@@ -131,10 +149,13 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         window_length (`int`): tokens the window adds to a step (W x (N - 1)).
         levels (`int`): N - 1, the deepest candidate.
         decay (`float`): weight kept by the running estimates at each step.
-        probe_every (`int`): steps without the window after which one window step is forced.
+        probe_every (`int`): steps without the window after which one window step is forced, at first.
+        max_probe_every (`int`): the longest wait between forced window steps.
         context_depth (`int`): the longest continuation copied from the context.
         memory_match (`int`): the longest match of the suffix memory (0: no memory).
         memory_depth (`int`): the deepest continuation of the suffix memory.
+        calibration_decay (`float`): weight kept by the calibration sums at each step.
+        calibration_prior (`float`): predicted and accepted nodes the calibration starts from.
     """
 
     def __init__(
@@ -144,18 +165,28 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         levels: int,
         decay: float = 0.9,
         probe_every: int = 32,
+        max_probe_every: int = 256,
         context_depth: int = 0,
         memory_match: int = 0,
         memory_depth: int = 0,
+        calibration_decay: float = 0.95,
+        calibration_prior: float = 1.0,
     ):
         self.cost = cost
         self.window_length = window_length
         self.decay = decay
         self.probe_every = probe_every
+        self.max_probe_every = max(max_probe_every, probe_every)
+        self._probe_wait = probe_every
         self.match_rate = [0.3] * (levels + 1)
         self.context_rate = [0.5] * (context_depth + 1)
         self.memory_rate = [[0.5] * (memory_depth + 1) for _ in range(memory_match + 1)] if memory_match else []
         self._window_credit, self._window_steps = 0.5, 1.0
+        self.calibration_decay = calibration_decay
+        self.calibration_prior = calibration_prior
+        self._predicted, self._realized = 0.0, 0.0
+        self._planned_probability = 0.0
+        self._raw: list[float] = []
         self._steps_without_window = 0
         self._levels = levels
         self._single_token_seconds: float | None = None
@@ -185,6 +216,9 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             self._window_credit,
             self._window_steps,
             tuple(tuple(rates) for rates in self.memory_rate),
+            self._predicted,
+            self._realized,
+            float(self._probe_wait),
         )
 
     def start_from(self, estimates: PolicyEstimates) -> None:
@@ -193,6 +227,13 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         self.context_rate = list(estimates.context_rate)
         self.memory_rate = [list(rates) for rates in estimates.memory_rate]
         self._window_credit, self._window_steps = estimates.window_credit, estimates.window_steps
+        self._predicted, self._realized = estimates.predicted, estimates.realized
+        self._probe_wait = min(max(round(estimates.probe_wait), self.probe_every), self.max_probe_every)
+
+    @property
+    def calibration(self) -> float:
+        """Accepted over predicted nodes of the verified steps: the factor applied to every node's probability."""
+        return (self._realized + self.calibration_prior) / (self._predicted + self.calibration_prior)
 
     def observe_duration(self, length: int, seconds: float) -> None:
         """
@@ -252,8 +293,9 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         """(length, expected tokens, window used, nodes verified) of every step, the nodes taken by probability."""
         if self._options_of is not None and self._options_of[0] is tree:
             return self._options_of[1]
-        probability = self.node_probabilities(tree)
-        self._order = sorted(range(len(tree)), key=lambda node: -probability[node])
+        self._raw = self._raw_probabilities(tree)
+        self._order = sorted(range(len(tree)), key=lambda node: -self._raw[node])
+        probability = self._calibrated(self._raw)
         options = []
         for use_window in [False, True] if window_allowed else [False]:
             expected = 1.0 + (self.window_gain if use_window else 0.0)
@@ -276,7 +318,9 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             # The batch pays for `budget` tokens per row anyway: verify as much as fits.
             fitting = [option for option in options if option[0] <= budget] or options[:1]
             _, _, use_window, count = max(fitting, key=lambda option: option[1])
-        if window_allowed and not use_window and self._steps_without_window >= self.probe_every:
+        if use_window:
+            self._probe_wait = self.probe_every
+        elif window_allowed and self._steps_without_window >= self._probe_wait:
             if budget is None:
                 use_window = True
             else:
@@ -284,10 +328,21 @@ class AdaptiveStepPolicy(StaticStepPolicy):
                 windowed = [option for option in options if option[2] and option[0] <= budget]
                 if windowed:
                     _, _, use_window, count = max(windowed, key=lambda option: option[1])
+            if use_window:
+                self._probe_wait = min(2 * self._probe_wait, self.max_probe_every)
+        self._planned_probability = sum(self._raw[node] for node in self._order[:count])
         return use_window, tree.subtree(self._order[:count])
 
     def node_probabilities(self, tree: TokenTree) -> list[float]:
-        """The estimated probability that each node of `tree` is accepted."""
+        """The estimated probability that each node of `tree` is accepted, calibrated (see the class docstring)."""
+        return self._calibrated(self._raw_probabilities(tree))
+
+    def _calibrated(self, raw: list[float]) -> list[float]:
+        calibration = self.calibration
+        return [min(1.0, calibration * probability) for probability in raw]
+
+    def _raw_probabilities(self, tree: TokenTree) -> list[float]:
+        """Each node's probability from the per-depth estimates alone."""
         sibling_counts: dict[int, int] = {}
         for parent, count in zip(tree.parents, tree.counts):
             sibling_counts[parent] = sibling_counts.get(parent, 0) + count
@@ -327,6 +382,10 @@ class AdaptiveStepPolicy(StaticStepPolicy):
                 break
         if offered.memory_total:
             self._learn_memory(offered, verdict.tokens)
+        keep = self.calibration_decay
+        self._predicted = keep * self._predicted + self._planned_probability
+        self._realized = keep * self._realized + (len(verdict.nodes) if self._planned_probability else 0)
+        self._planned_probability = 0.0
         matched = verdict.tokens[: len(verdict.nodes)]
         window_credit = len(matched) if pool.found_by_window(key, matched) else 0
         self._window_credit = self.decay * self._window_credit + window_credit
