@@ -110,7 +110,9 @@ class RepeatsTest(unittest.TestCase):
             lookahead_memory_namespace="repeat-0",
             return_dict_in_generate=True,
         )
-        self.assertLess(again.num_forward_passes, min(passes) / 2, f"repeats {passes}, from memory {again.num_forward_passes}")
+        self.assertLess(
+            again.num_forward_passes, min(passes) / 2, f"repeats {passes}, from memory {again.num_forward_passes}"
+        )
 
 
 class SamplingAndBatchedSummaryTest(unittest.TestCase):

@@ -265,8 +265,8 @@ class CalibrationTest(unittest.TestCase):
             _, planned = policy.plan(tree, False, 1)
             if len(planned):
                 steps_with_nodes.append(step)
-            # Every verified node misses, though the first token is one the pool offered: the per-depth estimate
-            # keeps rising while what is verified never pays.
+            # The mechanism alone: the verdict credits no verified node, while the accepted token is one the pool
+            # offered, so the per-depth estimate keeps rising and only the calibration sees the misses.
             policy.observe(tree, Verdict([4], [], [], []), False, NGramPool(2, 3), 0)
         self.assertGreater(policy.match_rate[1], 0.9)
         self.assertLess(len(steps_with_nodes), 100, "misses lower the calibration: most steps verify nothing")
