@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 # multi-GB CUDA build on a machine without a GPU. Set TORCH_SPEC="torch" (or a CUDA pin) on a GPU machine.
 TORCH_SPEC ?= torch==2.13.0
 BENCH_ARGS ?=
-# The oldest Transformers setup.py allows: `make test-oldest` runs the suite against it.
-TRANSFORMERS_OLDEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' setup.py)
+# The oldest Transformers the package allows (`compatibility.TRANSFORMERS_REQUIREMENT`): `make test-oldest` runs the
+# suite against it.
+TRANSFORMERS_OLDEST := $(shell sed -n 's/^TRANSFORMERS_REQUIREMENT = (">=\([0-9.]*\)".*/\1/p' src/transformers_lookahead/compatibility.py)
 OLDEST_VENV ?= .venv-oldest
 
 .PHONY: install test test-oldest quality style bench bench-full bench-memory cost-curve gpu-check serve clean

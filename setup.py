@@ -1,6 +1,18 @@
 """Packaging for transformers-lookahead."""
 
+import ast
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def _requirement(name: str) -> str:
+    """A requirement of the package, from the one place that states it (`compatibility.py`)."""
+    source = Path(__file__).parent.joinpath("src", "transformers_lookahead", "compatibility.py").read_text()
+    bounds = ast.literal_eval(re.search(rf"^{name.upper()}_REQUIREMENT = (.*)$", source, re.MULTILINE).group(1))
+    return name + ",".join(bounds)
+
 
 setup(
     name="transformers-lookahead",
@@ -11,11 +23,8 @@ setup(
     license="Apache-2.0",
     package_dir={"": "src"},
     packages=find_packages("src"),
-    package_data={"transformers_lookahead": ["hub/README.md", "hub/custom_generate/*"]},
-    include_package_data=True,
     python_requires=">=3.11",
-    # 5.24: static cache layers can be cropped, which rolling a static cache back after a step needs.
-    install_requires=["torch>=2.4", "transformers>=5.24,<6", "safetensors"],
+    install_requires=[_requirement("torch"), _requirement("transformers"), "safetensors"],
     extras_require={
         # `transformers[serving]` brings `transformers serve` and the `openai` client the serving tests use.
         "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm", "transformers[serving]"],

@@ -5,6 +5,7 @@ from parameterized import parameterized
 from transformers import DynamicCache
 
 from transformers_lookahead.cache_commit import CacheCommitter
+from transformers_lookahead.compatibility import compile_config as compile_everywhere
 from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_forward import cache_argument
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
@@ -167,7 +168,6 @@ class CompiledStepTest(unittest.TestCase):
     @parameterized.expand([(4,), ("auto",)])
     def test_compiles_once_per_shape_and_stays_exact(self, window):
         import torch._dynamo
-        from transformers import CompileConfig
 
         from transformers_lookahead import enable_lookahead
 
@@ -176,8 +176,7 @@ class CompiledStepTest(unittest.TestCase):
         common = {"max_new_tokens": 40, "do_sample": False, "cache_implementation": "static"}
         expected = model.generate(prompt, **common)
         # The eager backend traces and guards like inductor without generating code: fast enough for a unit test.
-        compile_config = CompileConfig(backend="eager", mode="default")
-        compile_config._compile_all_devices = True  # what lets plain `generate` compile on a CPU too
+        compile_config = compile_everywhere(backend="eager", mode="default")
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         # With a flat cost table, as on an accelerator, "auto" takes full fixed-length steps wherever guesses exist,

@@ -60,6 +60,10 @@ class LookaheadConfigTest(unittest.TestCase):
             ("lookahead_memory_size", 0, "`lookahead_memory_size` must be an integer >= 1"),
             ("lookahead_memory_size", "big", "`lookahead_memory_size` must be an integer >= 1"),
             ("lookahead_memory_size", True, "`lookahead_memory_size` must be an integer >= 1"),
+            ("lookahead_window", 65, "`lookahead_window` must be an integer >= 1 and <= 64"),
+            ("lookahead_ngram", 17, "`lookahead_ngram` must be an integer >= 2 and <= 16"),
+            ("lookahead_guess", 65, "`lookahead_guess` must be an integer >= 0 and <= 64"),
+            ("lookahead_memory_size", (1 << 20) + 1, "`lookahead_memory_size` must be an integer >= 1 and <= 1048576"),
             ("lookahead_memory_namespace", "", "`lookahead_memory_namespace` must be a string of 1 to 64"),
             ("lookahead_memory_namespace", "../etc", "`lookahead_memory_namespace` must be a string of 1 to 64"),
             ("lookahead_memory_namespace", ".hidden", "`lookahead_memory_namespace` must be a string of 1 to 64"),
@@ -71,6 +75,14 @@ class LookaheadConfigTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, message) as context:
             LookaheadConfig.from_sources(sources)
         self.assertIn(repr(value), str(context.exception))
+
+    def test_largest_settings_and_the_step_they_imply(self):
+        widest = LookaheadConfig.from_sources({"lookahead_window": 64, "lookahead_ngram": 9, "lookahead_guess": 63})
+        self.assertEqual(widest.max_step_length(), 1 + 64 * 8 + 63 * 8)
+        with self.assertRaisesRegex(ValueError, "make a step of up to 1025 tokens.*at most 1024") as context:
+            LookaheadConfig.from_sources({"lookahead_window": 64, "lookahead_ngram": 9, "lookahead_guess": 64})
+        for field in ("`lookahead_window`", "`lookahead_guess`", "`lookahead_ngram`"):
+            self.assertIn(field, str(context.exception))
 
     def test_memory_defaults(self):
         auto = LookaheadConfig.from_sources({"lookahead_window": "auto"})

@@ -64,6 +64,15 @@ class EnableLookaheadTest(unittest.TestCase):
 
 
 class CustomGenerateTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.folder = transformers_lookahead.write_custom_generate(cls.tmp.name).parent
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
     @parameterized.expand(
         [
             ("callable", {"custom_generate": transformers_lookahead.generate, "lookahead_window": 4}),
@@ -71,24 +80,29 @@ class CustomGenerateTest(unittest.TestCase):
             (
                 "hub_folder",
                 {
-                    "custom_generate": transformers_lookahead.HUB_FOLDER,
+                    "custom_generate": "FOLDER",
                     "trust_remote_code": True,
                     "lookahead_window": 4,
                 },
             ),
             (
                 "hub_folder_default_window",
-                {"custom_generate": transformers_lookahead.HUB_FOLDER, "trust_remote_code": True},
+                {"custom_generate": "FOLDER", "trust_remote_code": True},
             ),
         ]
     )
     def test_on_a_model_that_was_not_enabled(self, _, kwargs):
+        if kwargs["custom_generate"] == "FOLDER":
+            kwargs = {**kwargs, "custom_generate": str(self.folder)}
         model = tiny_model("qwen2")
         prompt = random_prompt(24, seed=1)
         expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
         out = model.generate(prompt, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, **kwargs)
-        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+        # A folder's modules are loaded as their own copies: the output is the folder's `LookaheadDecoderOnlyOutput`.
+        self.assertEqual(type(out).__name__, LookaheadDecoderOnlyOutput.__name__)
         self.assertTrue(torch.equal(out.sequences, expected))
+        if kwargs.get("lookahead_window") == 4:  # "auto" takes one-token steps where this CPU prices them so
+            self.assertLess(out.num_forward_passes, 30)
 
 
 class PipelineTest(unittest.TestCase):

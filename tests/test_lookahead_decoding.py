@@ -8,6 +8,7 @@ from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_lookahead import LookaheadDecoderOnlyOutput, enable_lookahead
+from transformers_lookahead.compatibility import set_attention_implementation_unchecked
 from transformers_lookahead.step_policy import AdaptiveStepPolicy
 
 from .utils import EAGER_ONLY, TINY_CONFIGS, random_prompt, tiny_model
@@ -253,16 +254,27 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
             (
                 "window",
                 {"lookahead_window": 0},
-                '`lookahead_window` must be an integer >= 1 or "auto", or "off" to turn it off, got 0',
+                '`lookahead_window` must be an integer >= 1 and <= 64, or "auto", or "off" to turn it off, got 0',
             ),
-            ("ngram", {"lookahead_ngram": 1}, '`lookahead_ngram` must be an integer >= 2 or "auto", got 1'),
-            ("guess", {"lookahead_guess": -2}, '`lookahead_guess` must be an integer >= 0 or "auto", got -2'),
+            ("ngram", {"lookahead_ngram": 1}, '`lookahead_ngram` must be an integer >= 2 and <= 16, or "auto", got 1'),
+            (
+                "guess",
+                {"lookahead_guess": -2},
+                '`lookahead_guess` must be an integer >= 0 and <= 64, or "auto", got -2',
+            ),
+            # Tried by a user: this window once tried to allocate 16 TB before failing.
+            ("huge_window", {"lookahead_window": 1_000_000}, "`lookahead_window` must be an integer >= 1 and <= 64"),
+            ("huge_step", {"lookahead_window": 64, "lookahead_ngram": 16}, "make a step of up to 1921 tokens"),
         ]
     )
     def test_refused_settings(self, _, kwargs, message):
         kwargs = {"lookahead_window": 4, "max_new_tokens": 5, **kwargs}
+        passes = []
+        hook = self.model.register_forward_hook(lambda *_: passes.append(1))
+        self.addCleanup(hook.remove)
         with self.assertRaisesRegex(ValueError, message):
             self.model.generate(self.prompt, **kwargs)
+        self.assertEqual(passes, [], "refused before any forward pass")
 
     def test_refused_assistant(self):
         with self.assertRaisesRegex(ValueError, "cannot be combined with `assistant_model`"):
@@ -270,7 +282,7 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
 
     def test_refused_attention_backend(self):
         model = enable_lookahead(tiny_model("llama"))
-        model.config._attn_implementation = "flash_attention_2"
+        set_attention_implementation_unchecked(model, "flash_attention_2")
         with self.assertRaisesRegex(ValueError, "attn_implementation='flash_attention_2'.*'eager', 'sdpa'"):
             model.generate(self.prompt, max_new_tokens=5, lookahead_window=4)
 

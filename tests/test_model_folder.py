@@ -31,7 +31,8 @@ for call in calls:
         results.append({"tokens": out.tolist(), "passes": len(passes)})
     except ValueError as error:
         results.append({"error": str(error)})
-assert "transformers_lookahead" in sys.modules, "the folder's custom_generate must have run"
+assert "transformers_lookahead" not in sys.modules, "the folder is self-contained"
+assert any(".custom_generate.lookahead_decoding" in name for name in sys.modules), "the folder's modules ran"
 print(json.dumps(results))
 """
 
@@ -75,8 +76,13 @@ class ModelFolderTest(unittest.TestCase):
             self.folder,
             [
                 {"prompt": prompt, **common},  # the saved fields
-                {"prompt": prompt, **common, "lookahead_window": "auto"},  # a call's own settings win
-                {"prompt": prompt, **common, "lookahead_window": "auto"},  # answered from the suffix memory
+                {
+                    "prompt": prompt,
+                    **common,
+                    "lookahead_window": "auto",
+                    "lookahead_memory": True,
+                },  # a call's settings
+                {"prompt": prompt, **common, "lookahead_window": "auto", "lookahead_memory": True},  # from the memory
                 {"prompt": prompt, **common, "lookahead_window": "off"},  # plain decoding
                 {"prompt": prompt, **common, "num_beams": 2},  # another strategy: refused
                 {"prompt": prompt, **common, "lookahead_window": -1},  # a bad value: refused

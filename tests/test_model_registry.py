@@ -13,6 +13,7 @@ import transformers
 from parameterized import parameterized
 
 from transformers_lookahead import enable_lookahead
+from transformers_lookahead.compatibility import model_from_config, set_attention_implementation_unchecked
 
 from .utils import TINY_CONFIGS, flat_step_costs, random_prompt, tiny_model
 
@@ -100,7 +101,7 @@ def registry_model(name: str, attn_implementation: str | None = None):
     config_class = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
     config = config_class(**_ENCODER_DECODER_CONFIGS[name], decoder_start_token_id=1)
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)._from_config(config, attn_implementation=attn_implementation or "sdpa")
+    model = model_from_config(getattr(transformers, architecture), config, attn_implementation or "sdpa")
     model.generation_config.eos_token_id = None  # 30 tokens every time
     if name == "whisper":
         features = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, generator=_seed(0))
@@ -146,7 +147,7 @@ class ModelRegistryTest(unittest.TestCase):
             model.set_attn_implementation(backend)
         else:
             # Set by hand: the refusal only needs the name, not the kernels installed.
-            model.config._attn_implementation = backend
+            set_attention_implementation_unchecked(model, backend)
         _check(self, model, inputs, expected)
 
     def test_document_is_current(self):

@@ -19,6 +19,7 @@ STRATEGY_MODULES = {
     "configuration_lookahead",
     "cost_model",
     "generation_mixin",
+    "hub_generate",
     "lookahead_decoding",
     "lookahead_state",
     "lookahead_window",
@@ -31,7 +32,6 @@ STRATEGY_MODULES = {
     "suffix_memory",
     "verification",
 }
-HUB_FILES = {"hub/README.md", "hub/custom_generate/generate.py", "hub/custom_generate/requirements.txt"}
 
 
 class WheelContentsTest(unittest.TestCase):
@@ -53,7 +53,7 @@ class WheelContentsTest(unittest.TestCase):
         package = sorted(n.removeprefix("transformers_lookahead/") for n in names if "dist-info" not in n)
         modules = {name.removesuffix(".py") for name in package if "/" not in name}
         self.assertEqual(modules, STRATEGY_MODULES)
-        self.assertEqual(set(package) - {f"{module}.py" for module in modules}, HUB_FILES)
+        self.assertEqual(set(package), {f"{module}.py" for module in modules}, "modules only, no data files")
         self.assertEqual({n.split("/")[0] for n in names if "dist-info" not in n}, {"transformers_lookahead"})
 
 
@@ -62,7 +62,6 @@ class PublicApiTest(unittest.TestCase):
         self.assertEqual(
             set(transformers_lookahead.__all__),
             {
-                "HUB_FOLDER",
                 "LookaheadConfig",
                 "LookaheadDecoderOnlyOutput",
                 "LookaheadEncoderDecoderOutput",
@@ -70,8 +69,8 @@ class PublicApiTest(unittest.TestCase):
                 "LookaheadState",
                 "enable_lookahead",
                 "generate",
-                "generate_with_lookahead",
                 "save_lookahead_model",
+                "write_custom_generate",
             },
         )
         for name in transformers_lookahead.__all__:

@@ -4,12 +4,16 @@ import unittest
 
 import torch
 import torch.distributed as dist
+from transformers import LogitsProcessorList
 
 from transformers_lookahead.cost_model import StepCostModel
-from transformers_lookahead.lookahead_decoding import SequenceState, StepPlan, step_fingerprint
-from transformers_lookahead.ngram_pool import TokenTree
+from transformers_lookahead.lookahead_decoding import SequenceState, SequenceText, StepPlan, step_fingerprint
+from transformers_lookahead.lookahead_window import LookaheadWindow
+from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 from transformers_lookahead.rank_sync import RankSync
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout
+from transformers_lookahead.step_policy import StaticStepPolicy
+from transformers_lookahead.verification import GreedyVerifier
 
 from .utils import tiny_model
 
@@ -41,9 +45,14 @@ class RankSyncTest(unittest.TestCase):
 class StepFingerprintTest(unittest.TestCase):
     def _plans(self, window_tokens):
         layout = StepLayout(2, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
-        sequence = SequenceState(0, torch.tensor([[5, 6, 7]]), [5, 6, 7], 20)
+        text = SequenceText(torch.tensor([[5, 6, 7]]), [5, 6, 7], 20)
+        policy = StaticStepPolicy(4)
+        window = LookaheadWindow(2, 2, torch.tensor(text.tokens))
+        sequence = SequenceState(
+            0, text, 20, NGramPool(2, 2), window, policy, None, GreedyVerifier(LogitsProcessorList())
+        )
         row = layout.row(torch.tensor([7]), 2, window_tokens, TokenTree())
-        return [StepPlan(sequence, TokenTree(), TokenTree(), row)]
+        return [StepPlan(sequence, policy.plan(policy.offer(TokenTree(), True, 1)), row)]
 
     def test_same_step_same_fingerprint_other_tokens_other_fingerprint(self):
         first = step_fingerprint(self._plans(torch.tensor([1, 2, 3, 4])))

@@ -136,6 +136,10 @@ class ServeTest(unittest.TestCase):
             ({"lookahead_window": "abc"}, "lookahead_window"),
             ({"lookahead_window": 4, "num_beams": 2}, "num_beams"),
             ({"lookahead_memory_namespace": "../other-tenant"}, "lookahead_memory_namespace"),
+            # Unbounded, these would allocate more than the machine has before failing.
+            ({"lookahead_window": 20_000}, "lookahead_window"),
+            ({"lookahead_window": 64, "lookahead_ngram": 16}, "lookahead_ngram"),
+            ({"lookahead_window": "auto", "lookahead_memory_size": 10**12}, "lookahead_memory_size"),
         ]
         for settings, field in cases:
             with self.subTest(settings=settings):
@@ -183,7 +187,7 @@ class ServeMemoryTest(unittest.TestCase):
     def test_memory_survives_a_restart_and_namespaces_stay_apart(self):
         import openai
 
-        folder = lookahead_folder("auto")
+        folder = lookahead_folder("auto", memory=True)
         with tempfile.TemporaryDirectory() as memory_dir:
             environment = {MEMORY_DIR_VARIABLE: memory_dir}
             answers = []

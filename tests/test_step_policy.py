@@ -18,6 +18,7 @@ from transformers_lookahead.step_policy import (
     AdaptiveStepPolicy,
     PolicyEstimates,
     StaticStepPolicy,
+    StepChoice,
     choose_window,
 )
 from transformers_lookahead.suffix_memory import MemoryMatch
@@ -36,6 +37,16 @@ def _tree():
     pool.add(0, [1, 3])
     pool.add(0, [4, 5])
     return pool.tree(0, 2)
+
+
+def _plan(policy, tree: TokenTree, window_allowed: bool = True, budget: int | None = None) -> StepChoice:
+    """What `policy` verifies of `tree` in a step with one pending token."""
+    return policy.plan(policy.offer(tree, window_allowed, 1), budget)
+
+
+def _unverified(policy, tree: TokenTree, window_used: bool = False) -> StepChoice:
+    """A step that offered `tree` and verified none of it (a batch's one-token step)."""
+    return StepChoice(policy.offer(tree, window_used, 1), window_used, tree.subtree([]))
 
 
 class StepCostModelTest(unittest.TestCase):
@@ -88,7 +99,21 @@ class StepCostModelTest(unittest.TestCase):
                 costs = StepCostModel.for_model(model, blocker / "tables")
             self.assertEqual(costs(1), 1.0)
             self.assertEqual(measure.call_count, 1)
-            self.assertIn(COST_DIR_VARIABLE, logs.output[0])
+            self.assertEqual(len(logs.output), 2, logs.output)
+            self.assertIn("measuring the cost of forward passes", logs.output[0])
+            self.assertIn(COST_DIR_VARIABLE, logs.output[1])
+
+    def test_a_measurement_is_announced_with_where_the_table_goes(self):
+        model = tiny_model("llama")
+        with tempfile.TemporaryDirectory() as tmp, self._counting():
+            with self.assertLogs("transformers_lookahead.cost_model", level="WARNING") as logs:
+                StepCostModel.for_model(model, tmp)
+            (table,) = Path(tmp).glob("step-cost-*.json")
+            self.assertIn("84 forward passes", logs.output[0])
+            self.assertIn(str(table), logs.output[0])
+            self.assertIn("LookaheadState().cost_model(model)", logs.output[0], "how to measure ahead")
+            with self.assertNoLogs("transformers_lookahead.cost_model", level="WARNING"):
+                StepCostModel.for_model(model, tmp)
 
     def test_default_directory(self):
         with mock.patch.dict(os.environ, {COST_DIR_VARIABLE: "/somewhere/tables"}):
@@ -110,7 +135,11 @@ class StepCostModelTest(unittest.TestCase):
 class StepPolicyTest(unittest.TestCase):
     def test_static_policy_keeps_everything(self):
         tree = _tree()
-        self.assertEqual(StaticStepPolicy().plan(tree, True, 1), (True, tree))
+        policy = StaticStepPolicy(window_length=8)
+        choice = _plan(policy, tree)
+        self.assertEqual((choice.use_window, choice.tree), (True, tree))
+        self.assertEqual([option.length for option in choice.offer.options], [1 + 8 + len(tree)])
+        self.assertIs(_plan(policy, tree, budget=2).tree, tree, "a fixed shape ignores a batch's budget")
 
     def test_window_width_follows_cost(self):
         self.assertEqual(choose_window(FLAT, 4, 16), 16)
@@ -118,41 +147,39 @@ class StepPolicyTest(unittest.TestCase):
 
     def test_flat_cost_verifies_everything(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
-        use_window, tree = policy.plan(_tree(), True, 1)
-        self.assertTrue(use_window)
-        self.assertEqual(len(tree), 5)
+        choice = _plan(policy, _tree())
+        self.assertTrue(choice.use_window)
+        self.assertEqual(len(choice.tree), 5)
 
     def test_steep_cost_and_misses_verify_nothing(self):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
         for _ in range(30):
-            policy.plan(_tree(), True, 1)
-            policy.observe(
-                _tree(), Verdict([9], [], [], []), False, NGramPool(2, 3), 0
-            )  # the model never follows the pool
-        use_window, tree = policy.plan(_tree(), False, 1)
-        self.assertFalse(use_window)
-        self.assertEqual(len(tree), 0)
+            # The model never follows the pool.
+            policy.observe(_plan(policy, _tree()), Verdict([9], [], [], []), NGramPool(2, 3), 0)
+        choice = _plan(policy, _tree(), window_allowed=False)
+        self.assertFalse(choice.use_window)
+        self.assertEqual(len(choice.tree), 0)
         self.assertLess(policy.match_rate[1], 0.05)
 
     def test_matches_raise_the_estimate_even_when_nothing_was_verified(self):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
         tree = _tree()
         for _ in range(30):
-            # Nothing verified (no plan asked for nodes), but the accepted token equals a pooled candidate.
-            policy.observe(tree, Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
+            # Nothing verified, but the accepted token equals a pooled candidate.
+            policy.observe(_unverified(policy, tree), Verdict([1], [], [], []), NGramPool(2, 3), 0)
         self.assertGreater(policy.match_rate[1], 0.9)
-        _, planned = policy.plan(tree, False, 1)
-        self.assertIn(1, planned.tokens)
+        self.assertIn(1, _plan(policy, tree, window_allowed=False).tree.tokens)
 
     def test_a_batch_budget_is_filled_by_likeliest_nodes(self):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
         tree = _tree()
-        options = policy.step_options(tree, True, 1)
-        self.assertIn((1, 1.0), options)
-        self.assertEqual(max(length for length, _ in options), 1 + 8 + len(tree))
+        options = policy.offer(tree, True, 1).options
+        self.assertIn((1, 1.0), [(option.length, option.expected) for option in options])
+        self.assertEqual(max(option.length for option in options), 1 + 8 + len(tree))
         # Alone, a steep cost verifies little; a batch that pays for 4 tokens per row verifies 3 nodes.
-        use_window, planned = policy.plan(tree, True, 1, budget=4)
-        self.assertFalse(use_window)
+        choice = _plan(policy, tree, budget=4)
+        self.assertFalse(choice.use_window)
+        planned = choice.tree
         self.assertEqual(len(planned), 3)
         probability = policy.node_probabilities(tree)
         kept = sorted(range(len(tree)), key=lambda node: -probability[node])[:3]
@@ -161,32 +188,40 @@ class StepPolicyTest(unittest.TestCase):
     def test_a_window_probe_stays_within_the_budget(self):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, probe_every=0)
         tree = _tree()
-        use_window, planned = policy.plan(tree, True, 1, budget=10)
-        self.assertTrue(use_window)
-        self.assertLessEqual(1 + 8 + len(planned), 10)
-        use_window, planned = policy.plan(tree, True, 1, budget=6)
-        self.assertFalse(use_window, "a window of 8 cannot fit in 6 tokens")
-        self.assertLessEqual(1 + len(planned), 6)
+        choice = _plan(policy, tree, budget=10)
+        self.assertTrue(choice.use_window)
+        self.assertLessEqual(1 + 8 + len(choice.tree), 10)
+        choice = _plan(policy, tree, budget=6)
+        self.assertFalse(choice.use_window, "a window of 8 cannot fit in 6 tokens")
+        self.assertLessEqual(1 + len(choice.tree), 6)
 
     def test_probes_that_do_not_pay_come_less_often(self):
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, probe_every=32, max_probe_every=128)
         probes = []
         for step in range(700):
-            use_window, _ = policy.plan(_tree(), True, 1)
-            if use_window:
+            choice = _plan(policy, _tree())
+            if choice.use_window:
                 probes.append(step)
-            policy.observe(_tree(), Verdict([9], [], [], []), use_window, NGramPool(2, 3), 0)
+            policy.observe(choice, Verdict([9], [], [], []), NGramPool(2, 3), 0)
         gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
         self.assertEqual(probes[0], 32)
         self.assertEqual(gaps[:4], [65, 129, 129, 129], "the wait doubles up to its maximum")
         self.assertEqual(policy.estimates().probe_wait, 128.0)
         # A window worth running resets the wait, and a new call starts from the wait learnt.
         policy.start_from(dataclasses.replace(policy.estimates(), window_credit=5.0, window_steps=1.0))
-        self.assertTrue(policy.plan(_tree(), True, 1)[0])
+        choice = _plan(policy, _tree())
+        self.assertTrue(choice.use_window and not choice.probe)
+        self.assertEqual(policy.estimates().probe_wait, 128.0, "planning alone changes nothing")
+        policy.observe(choice, Verdict([9], [], [], []), NGramPool(2, 3), 0)
         self.assertEqual(policy.estimates().probe_wait, 32.0)
         fresh = AdaptiveStepPolicy(STEEP, window_length=8, levels=2)
         fresh.start_from(dataclasses.replace(fresh.estimates(), probe_wait=128.0))
-        self.assertFalse(any(fresh.plan(_tree(), True, 1)[0] for _ in range(100)))
+        windows = 0
+        for _ in range(100):
+            choice = _plan(fresh, _tree())
+            windows += choice.use_window
+            fresh.observe(choice, Verdict([9], [], [], []), NGramPool(2, 3), 0)
+        self.assertEqual(windows, 0)
 
     def test_node_probabilities_follow_pool_shares(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
@@ -207,17 +242,17 @@ class StepPolicyTest(unittest.TestCase):
         self.assertAlmostEqual(probability[four], 0.5 * 1 / 4)
         self.assertAlmostEqual(probability[tree.child(one, 2)], probability[one] * 0.5 * 2 / 3)
         for _ in range(40):
-            policy.observe(tree, Verdict([1, 2, 9], [0, 1], [], []), False, NGramPool(2, 3), 0)
+            policy.observe(_unverified(policy, tree), Verdict([1, 2, 9], [0, 1], [], []), NGramPool(2, 3), 0)
         self.assertGreater(policy.memory_rate[2][1], 0.95)
         self.assertGreater(policy.memory_rate[2][2], 0.95)
         self.assertEqual(policy.memory_rate[3][1], 0.5, "rates are learnt per match length")
         for _ in range(40):
-            policy.observe(tree, Verdict([9], [], [], []), False, NGramPool(2, 3), 0)
+            policy.observe(_unverified(policy, tree), Verdict([9], [], [], []), NGramPool(2, 3), 0)
         self.assertLess(policy.memory_rate[2][1], 0.05)
         fresh = AdaptiveStepPolicy(MODEST, 8, 2, memory_match=3, memory_depth=4)
-        self.assertGreater(len(fresh.plan(tree, False, 1)[1]), 0, "the prior verifies the likeliest continuation")
+        self.assertGreater(len(_plan(fresh, tree, False).tree), 0, "the prior verifies the likeliest continuation")
         policy.use_cost(MODEST)
-        self.assertEqual(len(policy.plan(tree, False, 1)[1]), 0, "a memory that misses is not verified")
+        self.assertEqual(len(_plan(policy, tree, False).tree), 0, "a memory that misses is not verified")
 
 
 class CalibrationTest(unittest.TestCase):
@@ -238,22 +273,23 @@ class CalibrationTest(unittest.TestCase):
         self.assertEqual(confident.calibration, 10.0)
         self.assertEqual(max(confident.node_probabilities(tree)), 1.0, "a probability never exceeds 1")
         # The same tree, the same per-depth estimates: fewer nodes when verified nodes used to miss.
-        self.assertLess(len(doubtful.plan(tree, False, 1)[1]), len(self._policy().plan(tree, False, 1)[1]))
-        self.assertEqual(len(doubtful.plan(tree, False, 1)[1]), 0)
+        self.assertLess(len(_plan(doubtful, tree, False).tree), len(_plan(self._policy(), tree, False).tree))
+        self.assertEqual(len(_plan(doubtful, tree, False).tree), 0)
 
     def test_verified_steps_update_the_sums(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
         tree = _tree()
         raw = policy.node_probabilities(tree)
-        _, planned = policy.plan(tree, False, 1)
-        self.assertEqual(len(planned), len(tree), "a flat cost verifies every node")
+        choice = _plan(policy, tree, False)
+        self.assertEqual(len(choice.tree), len(tree), "a flat cost verifies every node")
+        self.assertAlmostEqual(choice.predicted, sum(raw), msg="the plan carries the probability it was chosen with")
         one = tree.child(-1, 1)
-        policy.observe(tree, Verdict([1, 2, 9], [one, tree.child(one, 2)], [], []), False, NGramPool(2, 3), 0)
+        policy.observe(choice, Verdict([1, 2, 9], [one, tree.child(one, 2)], [], []), NGramPool(2, 3), 0)
         estimates = policy.estimates()
         self.assertAlmostEqual(estimates.predicted, sum(raw))
         self.assertEqual(estimates.realized, 2.0)
         # A step that verified nothing only decays both sums.
-        policy.observe(tree, Verdict([1], [], [], []), False, NGramPool(2, 3), 0)
+        policy.observe(_unverified(policy, tree), Verdict([1], [], [], []), NGramPool(2, 3), 0)
         self.assertAlmostEqual(policy.estimates().predicted, 0.95 * sum(raw))
         self.assertAlmostEqual(policy.estimates().realized, 0.95 * 2.0)
 
@@ -262,12 +298,12 @@ class CalibrationTest(unittest.TestCase):
         tree = _tree()
         steps_with_nodes = []
         for step in range(200):
-            _, planned = policy.plan(tree, False, 1)
-            if len(planned):
+            choice = _plan(policy, tree, False)
+            if len(choice.tree):
                 steps_with_nodes.append(step)
             # The mechanism alone: the verdict credits no verified node, while the accepted token is one the pool
             # offered, so the per-depth estimate keeps rising and only the calibration sees the misses.
-            policy.observe(tree, Verdict([4], [], [], []), False, NGramPool(2, 3), 0)
+            policy.observe(choice, Verdict([4], [], [], []), NGramPool(2, 3), 0)
         self.assertGreater(policy.match_rate[1], 0.9)
         self.assertLess(len(steps_with_nodes), 100, "misses lower the calibration: most steps verify nothing")
         self.assertGreater(steps_with_nodes[-1], 150, "and verification is tried again as the sums decay")
@@ -277,20 +313,21 @@ class PolicyEstimatesTest(unittest.TestCase):
     def _learnt_policy(self) -> AdaptiveStepPolicy:
         policy = AdaptiveStepPolicy(STEEP, window_length=8, levels=2, context_depth=3)
         for _ in range(10):
-            policy.plan(_tree(), True, 1)
-            policy.observe(_tree(), Verdict([9], [], [], []), True, NGramPool(2, 3), 0)
+            policy.observe(
+                _unverified(policy, _tree(), window_used=True), Verdict([9], [], [], []), NGramPool(2, 3), 0
+            )
         return policy
 
     def test_a_new_policy_starts_from_learnt_estimates(self):
         learnt = self._learnt_policy()
         fresh = AdaptiveStepPolicy(MODEST, window_length=8, levels=2, context_depth=3)
         # The priors verify the likeliest pooled candidate...
-        self.assertGreater(len(fresh.plan(_tree(), False, 1)[1]), 0)
+        self.assertGreater(len(_plan(fresh, _tree(), False).tree), 0)
         self.assertNotEqual(fresh.estimates(), learnt.estimates())
         fresh.start_from(learnt.estimates())
         self.assertEqual(fresh.estimates(), learnt.estimates())
         # ...what was learnt says they never match.
-        self.assertEqual(len(fresh.plan(_tree(), False, 1)[1]), 0)
+        self.assertEqual(len(_plan(fresh, _tree(), False).tree), 0)
 
     def test_mean(self):
         # Binary fractions, so the expected means are exact.

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from transformers_lookahead import LookaheadState
+from transformers_lookahead.compatibility import model_from_config
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 
@@ -123,7 +124,7 @@ def tiny_model(name: str, attn_implementation: str | None = None, seed: int = 0)
     config_class, model_class, kwargs = TINY_CONFIGS[name]
     config = getattr(transformers, config_class)(**_COMMON, **kwargs)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)._from_config(config, attn_implementation=attn_implementation)
+    model = model_from_config(getattr(transformers, model_class), config, attn_implementation)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()

@@ -69,11 +69,9 @@ MEMORY = {"num_prompts": 8, "repeats": 2, "methods": QUICK_METHODS, "sweep_promp
 
 def _compile_everywhere():
     """The compile config plain `generate` honours on any device (it compiles only on accelerators by default)."""
-    from transformers import CompileConfig
+    from transformers_lookahead.compatibility import compile_config
 
-    config = CompileConfig(mode="default")
-    config._compile_all_devices = True
-    return config
+    return compile_config(mode="default")
 
 
 # A static cache sized once for every prompt, so that compiled forwards keep one cache shape across calls.

@@ -34,6 +34,7 @@ import transformers  # noqa: E402
 
 from tests.utils import random_prompt, tiny_model  # noqa: E402
 from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
+from transformers_lookahead.compatibility import compile_config  # noqa: E402
 from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
@@ -123,8 +124,8 @@ def check_static_compile(report: Report, device: torch.device) -> None:
     prompt = random_prompt(20, seed=6).to(device)
     common = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "cache_implementation": "static"}
     expected = model.generate(prompt, **common)
-    config = transformers.CompileConfig(backend="inductor" if device.type != "cpu" else "eager")
-    config._compile_all_devices = True  # a CPU run compiles too (plain generate compiles only on accelerators)
+    # A CPU run compiles too (plain generate compiles only on accelerators by default).
+    config = compile_config(backend="inductor" if device.type != "cpu" else "eager")
     for window in (4, "auto"):
         started = time.perf_counter()
         out = model.generate(

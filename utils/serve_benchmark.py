@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset: [chat_messages(text, dataset) for _, _, text in tuning_prompts(dataset)[: args.num_prompts]]
         for dataset in DATASETS
     }
-    folders = {"plain": lookahead_folder(plain=True), "lookahead": lookahead_folder(window)}
+    folders = {"plain": lookahead_folder(plain=True), "lookahead": lookahead_folder(window, memory=True)}
     runs = []
     with (
         ServeProcess(folders["plain"], trust_remote_code=False) as plain,

@@ -27,24 +27,26 @@ from utils.assets import default_cache_dir, smollm2_path  # noqa: E402
 LOOPBACK = "127.0.0.1"
 
 
-def lookahead_folder(window: int | str = "auto", cache_dir: str | Path | None = None, plain: bool = False) -> Path:
+def lookahead_folder(
+    window: int | str = "auto", cache_dir: str | Path | None = None, plain: bool = False, memory: bool = False
+) -> Path:
     """
-    SmolLM2-135M-Instruct saved with `save_lookahead_model` (weights, tokenizer, `lookahead_window=window`,
-    `custom_generate/`), written once per window; with `plain=True` the same model as stock Transformers saves it.
+    SmolLM2-135M-Instruct saved with `save_lookahead_model` (weights, tokenizer, `lookahead_window=window`, and
+    `lookahead_memory=True` where `memory` is set, `custom_generate/`), written once per setting; with `plain=True`
+    the same model as stock Transformers saves it.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from transformers_lookahead import HUB_FOLDER, save_lookahead_model
+    from transformers_lookahead import save_lookahead_model, write_custom_generate
 
     source = smollm2_path(cache_dir)
-    folder = Path(cache_dir or default_cache_dir() / "assets") / (
-        "serve-plain" if plain else f"serve-lookahead-{window}"
-    )
+    name = "serve-plain" if plain else f"serve-lookahead-{window}" + ("-memory" if memory else "")
+    folder = Path(cache_dir or default_cache_dir() / "assets") / name
     if (folder / "config.json").is_file():
         if not plain:
             # The entry point of the installed package, not of the one that wrote the folder.
-            shutil.copytree(Path(HUB_FOLDER) / "custom_generate", folder / "custom_generate", dirs_exist_ok=True)
+            write_custom_generate(folder)
         return folder
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -54,7 +56,8 @@ def lookahead_folder(window: int | str = "auto", cache_dir: str | Path | None = 
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     else:
-        save_lookahead_model(model, staging, tokenizer, lookahead_window=window)
+        settings = {"lookahead_memory": True} if memory else {}
+        save_lookahead_model(model, staging, tokenizer, lookahead_window=window, **settings)
     staging.rename(folder)
     return folder
 
@@ -79,6 +82,8 @@ class ServeProcess:
         startup_timeout (`float`): seconds to wait for the server to answer.
         environment (`dict[str, str]`, *optional*): environment variables to set for the server (e.g.
             `TRANSFORMERS_LOOKAHEAD_MEMORY_DIR`).
+        python (`Path`, *optional*): the interpreter of the environment to serve from (its `transformers` script);
+            defaults to this one's.
     """
 
     def __init__(
@@ -89,12 +94,13 @@ class ServeProcess:
         extra_args: list[str] | None = None,
         startup_timeout: float = 240.0,
         environment: dict[str, str] | None = None,
+        python: Path | None = None,
     ):
         self.folder = folder
         self.port = free_port()
         self.base_url = f"http://{LOOPBACK}:{self.port}/v1"
         self.startup_timeout = startup_timeout
-        executable = Path(sys.executable).with_name("transformers")
+        executable = Path(python or sys.executable).with_name("transformers")
         self.command = [str(executable), "serve", str(folder), "--host", LOOPBACK, "--port", str(self.port)]
         self.command += ["--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
         if trust_remote_code:
@@ -147,6 +153,19 @@ class ServeProcess:
             pass
 
 
+def measure_step_costs_ahead(folder: Path) -> None:
+    """
+    Measures the step-cost table `"auto"` needs for the model in `folder` as the server will run it (float32, this
+    machine's threads) and keeps it where the server reads it, so that no user's first request waits for it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from transformers_lookahead import LookaheadState
+
+    LookaheadState().cost_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=8000)
@@ -154,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     window = args.window if args.window == "auto" else int(args.window)
     folder = lookahead_folder(window)
+    if window == "auto":
+        measure_step_costs_ahead(folder)
     command = [str(Path(sys.executable).with_name("transformers")), "serve", str(folder), "--trust-remote-code"]
-    command += ["--host", LOOPBACK, "--port", str(args.port)]
+    command += ["--host", LOOPBACK, "--port", str(args.port), "--dtype", "float32"]
     print(" ".join(command), flush=True)
     os.execv(command[0], command)
 

@@ -1,20 +1,25 @@
-"""Lookahead decoding as a native Hugging Face Transformers generation strategy."""
+"""
+Lookahead decoding as a native Hugging Face Transformers generation strategy.
+
+One way for each use:
+- in this process: `enable_lookahead(model)`, then `model.generate(..., lookahead_window="auto")` (or a class that
+  puts `LookaheadGenerationMixin` in front of its model class);
+- a model folder that stock Transformers loads with lookahead on: `save_lookahead_model(model, folder, tokenizer)`;
+- a Hub strategy repository (`custom_generate=<repo>`): `write_custom_generate(folder)`, which `utils/build_hub_repo.py`
+  completes with the repository's README.
+
+`generate` is the decoding loop itself, for `model.generate(..., custom_generate=transformers_lookahead.generate)`.
+"""
 
 from .configuration_lookahead import LookaheadConfig
-from .generation_mixin import LookaheadGenerationMixin, enable_lookahead, generate_with_lookahead
+from .generation_mixin import LookaheadGenerationMixin, enable_lookahead
 from .lookahead_decoding import LookaheadDecoderOnlyOutput, LookaheadEncoderDecoderOutput, generate
 from .lookahead_state import LookaheadState
-from .model_folder import HUB_FOLDER as _HUB_PATH
-from .model_folder import save_lookahead_model
+from .model_folder import save_lookahead_model, write_custom_generate
 
 __version__ = "0.1.0"
 
-# A Hub-layout folder (`custom_generate/generate.py` + README) for `generate(custom_generate=HUB_FOLDER,
-# trust_remote_code=True)` or for uploading as a Hub repository.
-HUB_FOLDER = str(_HUB_PATH)
-
 __all__ = [
-    "HUB_FOLDER",
     "LookaheadConfig",
     "LookaheadDecoderOnlyOutput",
     "LookaheadEncoderDecoderOutput",
@@ -22,6 +27,6 @@ __all__ = [
     "LookaheadState",
     "enable_lookahead",
     "generate",
-    "generate_with_lookahead",
     "save_lookahead_model",
+    "write_custom_generate",
 ]

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import torch
 from transformers import Cache
 
-from .compatibility import ROLLBACK_LAYERS, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+from .compatibility import (
+    ROLLBACK_LAYERS,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    can_roll_back,
+    gather_layer_entries,
+    layer_step_start,
+)
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 
 
@@ -39,21 +45,21 @@ class CacheCommitter:
         if strategy not in CACHE_COMMIT_STRATEGIES:
             raise ValueError(f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {strategy!r}.")
         for layer in cache.layers:
-            # Exact classes: quantized layers, for one, subclass `DynamicLayer` but cannot be rolled back exactly.
-            if type(layer) not in ROLLBACK_LAYERS:
-                names = tuple(kind.__name__ for kind in ROLLBACK_LAYERS)
-                raise ValueError(
-                    f"Lookahead decoding rolls the cache back after every step; {type(cache).__name__} has "
-                    f"{type(layer).__name__} layers, which cannot be rolled back. Use a cache whose layers are one of "
-                    f"{names}: "
-                    '`DynamicCache` (the default) or `cache_implementation="static"`.'
-                )
-            if isinstance(layer, StaticSlidingWindowLayer) and not layer.is_croppable:
+            if can_roll_back(layer):
+                continue
+            if type(layer) in ROLLBACK_LAYERS:  # a static sliding layer past its window
                 raise ValueError(
                     f"A static sliding-window layer (window {layer.max_cache_len}) cannot be rolled back once the "
                     "generation outgrows its window. Use the default dynamic cache for this model, or keep "
                     "prompt + `max_new_tokens` within the window."
                 )
+            names = tuple(kind.__name__ for kind in ROLLBACK_LAYERS)
+            raise ValueError(
+                f"Lookahead decoding rolls the cache back after every step; {type(cache).__name__} has "
+                f"{type(layer).__name__} layers, which cannot be rolled back. Use a cache whose layers are one of "
+                f"{names}: "
+                '`DynamicCache` (the default) or `cache_implementation="static"`.'
+            )
         self.cache = cache
         self.strategy = strategy
         self.is_static = any(isinstance(layer, StaticLayer) for layer in cache.layers)
@@ -72,14 +78,6 @@ class CacheCommitter:
         """Called once after the prefill: from here on, sliding layers keep the states a crop may need."""
         if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.cache.layers):
             self.cache.activate_past_recording()
-
-    @staticmethod
-    def _step_start(layer, step_length: int) -> int:
-        """Where the step's entries begin in the layer's tensors, after its forward pass."""
-        if isinstance(layer, StaticLayer):
-            # Static buffers: the step was written right after the tokens already held.
-            return layer.get_seq_length() - step_length
-        return layer.keys.shape[-2] - step_length
 
     def commit(self, step_length: int, kept_rows: list[list[int]]) -> int:
         """
@@ -104,7 +102,7 @@ class CacheCommitter:
         for layer in self.cache.layers:
             if not layer.is_initialized:
                 continue
-            start = self._step_start(layer, step_length)
+            start = layer_step_start(layer, step_length)
             if isinstance(layer, DynamicSlidingWindowLayer) and uneven:
                 # Rows kept different counts: right-align each row (filler, the row as it was, then what it kept).
                 # With even counts the plain gather below already leaves every row right-aligned, without copying
@@ -113,21 +111,10 @@ class CacheCommitter:
                     [0] * (added - len(rows)) + list(range(start)) + [start + row for row in rows]
                     for rows in kept_rows
                 ]
-                _gather_in_place(layer, index, 0)
+                gather_layer_entries(layer, index, 0)
             elif not in_place:
                 # Unused slots copy the row's last kept entry: any finite value does, they are masked.
-                _gather_in_place(layer, [rows + rows[-1:] * (added - len(rows)) for rows in kept_rows], start)
+                gather_layer_entries(layer, [rows + rows[-1:] * (added - len(rows)) for rows in kept_rows], start)
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
         self.cache.crop(-(step_length - added))
         return added
-
-
-def _gather_in_place(layer, index: list[list[int]], start: int) -> None:
-    """Overwrites, in every row b, the layer's entries from `start` on with its entries `start + index[b][j]`."""
-    batch, width = len(index), len(index[0])
-    heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
-    source = torch.tensor(index, device=layer.keys.device)[:, None, :, None].expand(batch, heads, width, head_dim)
-    keys = torch.gather(layer.keys[:, :, start:], 2, source)
-    values = torch.gather(layer.values[:, :, start:], 2, source)
-    layer.keys[:, :, start : start + width] = keys
-    layer.values[:, :, start : start + width] = values

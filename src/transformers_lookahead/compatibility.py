@@ -17,12 +17,35 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PrefixConstrainedLogitsProcessor
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers import (
+    CompileConfig,
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    PretrainedConfig,
+    PreTrainedModel,
+    RepetitionPenaltyLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
+)
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
     from transformers.modeling_outputs import ModelOutput
+
+# The Transformers and torch releases the package is tested with, one bound each: `setup.py` reads them, and so does
+# the `requirements.txt` of every `custom_generate/` folder (Transformers checks that file before running the code).
+# 5.24: static cache layers can be cropped, which rolling a static cache back after a step needs.
+TRANSFORMERS_REQUIREMENT = (">=5.24", "<6")
+TORCH_REQUIREMENT = (">=2.4",)
 
 # Cache layer classes whose `crop` puts them back as they were before a step (see `CacheCommitter`).
 ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)
@@ -59,20 +82,109 @@ def attention_implementation(model: PreTrainedModel) -> str | None:
     return model.config._attn_implementation
 
 
-def model_name_or_path(model: PreTrainedModel) -> str:
-    """Where the model was loaded from (`PretrainedConfig._name_or_path`), empty when built from a config."""
-    return str(getattr(model.config, "_name_or_path", ""))
+def set_attention_implementation_unchecked(model: PreTrainedModel, name: str) -> None:
+    """
+    Sets the backend the model reports (`PretrainedConfig._attn_implementation`) without loading its kernels, as a
+    test does to see that a backend lookahead cannot use (flash attention) is refused.
+    """
+    model.config._attn_implementation = name
 
 
-def bind_batch_index(processor: PrefixConstrainedLogitsProcessor, row: int) -> PrefixConstrainedLogitsProcessor:
+def model_from_config(cls: type[PreTrainedModel], config: PretrainedConfig, attn_implementation: str | None) -> Any:
+    """A randomly initialised model of `cls` (`PreTrainedModel._from_config`), as the tests and checks build them."""
+    return cls._from_config(config, attn_implementation=attn_implementation)
+
+
+def compile_config(**kwargs: Any) -> CompileConfig:
     """
-    A copy of a `PrefixConstrainedLogitsProcessor` that applies to one row of the batch, called on that row alone:
-    the user's `prefix_allowed_tokens_fn` (`_prefix_allowed_tokens_fn`) gets the row's index in the original batch.
+    A `CompileConfig` that also compiles on a CPU (`CompileConfig._compile_all_devices`): plain `generate` compiles
+    its forward pass only on accelerators unless this is set.
     """
-    bound = copy.copy(processor)
-    allowed = processor._prefix_allowed_tokens_fn
-    bound._prefix_allowed_tokens_fn = lambda _, ids: allowed(row, ids)
-    return bound
+    config = CompileConfig(**kwargs)
+    config._compile_all_devices = True
+    return config
+
+
+def layer_step_start(layer: CacheLayerMixin, step_length: int) -> int:
+    """Where a step of `step_length` tokens begins in the layer's tensors (`keys`, `values`) after its forward."""
+    if isinstance(layer, StaticLayer):
+        # Static buffers: the step was written right after the tokens already held.
+        return layer.get_seq_length() - step_length
+    return layer.keys.shape[-2] - step_length
+
+
+def gather_layer_entries(layer: CacheLayerMixin, index: list[list[int]], start: int) -> None:
+    """
+    Overwrites, in every row b, the layer's entries from `start` on with its entries `start + index[b][j]`: the layer's
+    `keys` and `values` tensors (batch, heads, positions, head_dim) are written in place, so static buffers stay
+    where compiled graphs expect them.
+    """
+    batch, width = len(index), len(index[0])
+    heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
+    source = torch.tensor(index, device=layer.keys.device)[:, None, :, None].expand(batch, heads, width, head_dim)
+    keys = torch.gather(layer.keys[:, :, start:], 2, source)
+    values = torch.gather(layer.values[:, :, start:], 2, source)
+    layer.keys[:, :, start : start + width] = keys
+    layer.values[:, :, start : start + width] = values
+
+
+def can_roll_back(layer: CacheLayerMixin) -> bool:
+    """
+    Whether `crop` puts the layer back as it was before a step: its class is one of `ROLLBACK_LAYERS` exactly
+    (quantized layers, for one, subclass `DynamicLayer` but re-quantize), and a static sliding layer has not yet
+    outgrown its window (`StaticSlidingWindowLayer.is_croppable`).
+    """
+    if type(layer) not in ROLLBACK_LAYERS:
+        return False
+    return not isinstance(layer, StaticSlidingWindowLayer) or bool(layer.is_croppable)
+
+
+def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: int) -> LogitsProcessorList:
+    """
+    The processors `generate` built for the whole batch, as they apply to one row called on that row alone (a
+    lookahead step verifies every row on its own, one accepted token at a time).
+
+    Most processors treat the rows of a batch alike (`tests/test_logits_processors.py` checks every one a
+    `GenerationConfig` builds). These hold per-row data or state and get a copy for the row:
+    - `PrefixConstrainedLogitsProcessor`: the user's `prefix_allowed_tokens_fn` gets the row's index in the batch
+      (`_prefix_allowed_tokens_fn`);
+    - `RepetitionPenaltyLogitsProcessor` with one `prompt_ignore_length` per row;
+    - `EncoderRepetitionPenaltyLogitsProcessor` and `EncoderNoRepeatNGramLogitsProcessor`: the row's encoder inputs
+      (`encoder_input_ids`; `generated_ngrams` and `batch_size`), rows of one input being consecutive, as with
+      `num_return_sequences`;
+    - `SynthIDTextWatermarkLogitsProcessor`: a state of its own (`state`), which the processor creates for the batch
+      it first sees and extends at every call.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): the processors of the call.
+        row (`int`): the row.
+        rows (`int`): the rows of the batch (inputs x `num_return_sequences`).
+    """
+    adapted = LogitsProcessorList()
+    for processor in logits_processor:
+        if isinstance(processor, PrefixConstrainedLogitsProcessor):
+            allowed = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = lambda _, ids, allowed=allowed: allowed(row, ids)
+        elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+            processor.prompt_ignore_length, torch.Tensor
+        ):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+            source = row // max(rows // processor.encoder_input_ids.shape[0], 1)
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[source : source + 1]
+        elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+            source = row // max(rows // processor.batch_size, 1)
+            processor = copy.copy(processor)
+            processor.generated_ngrams = processor.generated_ngrams[source : source + 1]
+            processor.batch_size = 1
+        elif isinstance(processor, SynthIDTextWatermarkLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.state = None
+        adapted.append(processor)
+    return adapted
 
 
 def mark_as_user_config(generation_config: GenerationConfig) -> None:
@@ -168,7 +280,29 @@ def check_private_apis() -> list[str]:
     processor = PrefixConstrainedLogitsProcessor(lambda batch_id, ids: [0], num_beams=1)
     expect(
         callable(getattr(processor, "_prefix_allowed_tokens_fn", None)),
-        "`PrefixConstrainedLogitsProcessor._prefix_allowed_tokens_fn` (used by `bind_batch_index`)",
+        "`PrefixConstrainedLogitsProcessor._prefix_allowed_tokens_fn` (used by `processors_for_row`)",
+    )
+    encoder_ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    expect(
+        hasattr(RepetitionPenaltyLogitsProcessor(1.5), "prompt_ignore_length")
+        and torch.equal(
+            getattr(EncoderRepetitionPenaltyLogitsProcessor(1.5, encoder_ids), "encoder_input_ids", None), encoder_ids
+        ),
+        "`RepetitionPenaltyLogitsProcessor.prompt_ignore_length`, `EncoderRepetitionPenaltyLogitsProcessor."
+        "encoder_input_ids` (used by `processors_for_row`)",
+    )
+    ngrams = EncoderNoRepeatNGramLogitsProcessor(2, encoder_ids)
+    expect(
+        getattr(ngrams, "batch_size", None) == 2 and len(getattr(ngrams, "generated_ngrams", ())) == 2,
+        "`EncoderNoRepeatNGramLogitsProcessor.batch_size` and `generated_ngrams`, one per input row (used by "
+        "`processors_for_row`)",
+    )
+    watermark = SynthIDTextWatermarkLogitsProcessor(
+        ngram_len=2, keys=[1, 2], sampling_table_size=16, sampling_table_seed=0, context_history_size=4, device="cpu"
+    )
+    expect(
+        "state" in vars(watermark) and watermark.state is None,
+        "`SynthIDTextWatermarkLogitsProcessor.state`, created at the first call (used by `processors_for_row`)",
     )
     from transformers import LlamaConfig
 
@@ -181,6 +315,30 @@ def check_private_apis() -> list[str]:
             callable(getattr(layer, "crop", None)) and "is_sliding" in dir(layer),
             f"`transformers.cache_utils.{layer.__name__}` with `crop` and `is_sliding` (see `ROLLBACK_LAYERS`)",
         )
+    expect(
+        hasattr(StaticSlidingWindowLayer, "is_croppable"),
+        "`StaticSlidingWindowLayer.is_croppable` (used by `can_roll_back`)",
+    )
+    layer = DynamicLayer()
+    layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    expect(
+        getattr(getattr(layer, "keys", None), "shape", None) == (1, 2, 3, 4)
+        and getattr(getattr(layer, "values", None), "shape", None) == (1, 2, 3, 4),
+        "cache layers' `keys` / `values` tensors of shape (batch, heads, positions, head_dim) (written in place by "
+        "`gather_layer_entries`)",
+    )
+    expect(
+        hasattr(CompileConfig(), "_compile_all_devices"),
+        "`CompileConfig._compile_all_devices` (used by `compile_config`)",
+    )
+    expect(
+        callable(getattr(PreTrainedModel, "_from_config", None)),
+        "`PreTrainedModel._from_config` (used by `model_from_config`)",
+    )
+    expect(
+        "_device_mesh" in dir(PreTrainedModel) and "tp_size" in dir(PreTrainedModel),
+        "`PreTrainedModel._device_mesh` and `tp_size` (used by `tensor_parallel_group`)",
+    )
     return problems
 
 
@@ -190,12 +348,12 @@ def tensor_parallel_group(model: PreTrainedModel) -> Any | None:
     or `None` for a model that was not sharded: the model's device mesh (`PreTrainedModel._device_mesh`), its `"tp"`
     dimension when it has several.
     """
-    size = getattr(model, "tp_size", None)
+    size = model.tp_size
     if not size or size <= 1:
         return None
     import torch.distributed as dist
 
-    mesh = getattr(model, "_device_mesh", None)
+    mesh = model._device_mesh
     if mesh is None:
         return dist.group.WORLD
     return mesh.get_group("tp") if mesh.ndim > 1 else mesh.get_group()

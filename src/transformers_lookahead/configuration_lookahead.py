@@ -52,6 +52,17 @@ DEFAULT_MEMORY_SIZE = 65536
 DEFAULT_MEMORY_NAMESPACE = "default"
 MEMORY_DEPTH = 16
 MEMORY_NODES = 32
+# Upper bounds, checked before any compute, so that no call (or server request) can ask for a step or a memory the
+# machine cannot hold: a window of 20,000 with N=5 would be a step of ~80,000 tokens and a float mask of ~25 GB.
+# The paper's largest settings (W=15, N=5, G=15 on an A100) fit well inside them.
+MAX_WINDOW = 64
+MAX_NGRAM = 16
+MAX_GUESS = 64
+# About 0.75 GiB of host memory per namespace at the measured 0.4-0.75 KiB per token.
+MAX_MEMORY_SIZE = 1 << 20
+# The most tokens one sequence's step may feed (`LookaheadConfig.max_step_length`): a step's attention mask and
+# activations grow with it, and far wider steps than this only pay on no hardware we measured.
+MAX_STEP_TOKENS = 1024
 # Namespaces name memory files: letters, digits, `.`, `_` and `-`, not starting with a dot.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -104,15 +115,15 @@ class LookaheadConfig:
 
     def __post_init__(self):
         if self.window != AUTO:
-            _check_int("lookahead_window", self.window, minimum=1, also=f'"{AUTO}", or "{OFF}" to turn it off')
+            _check_int("lookahead_window", self.window, 1, MAX_WINDOW, also=f'"{AUTO}", or "{OFF}" to turn it off')
         if self.ngram == AUTO:
             object.__setattr__(self, "ngram", AUTO_NGRAM)
-        _check_int("lookahead_ngram", self.ngram, minimum=2)
+        _check_int("lookahead_ngram", self.ngram, 2, MAX_NGRAM)
         if self.guess == AUTO or (self.guess is None and self.window == AUTO):
             object.__setattr__(self, "guess", AUTO_GUESS)
         elif self.guess is None:
             object.__setattr__(self, "guess", self.window)
-        _check_int("lookahead_guess", self.guess, minimum=0)
+        _check_int("lookahead_guess", self.guess, 0, MAX_GUESS)
         if not isinstance(self.pool_from_prompt, bool):
             raise ValueError(
                 f"`lookahead_pool_from_prompt` must be a bool (True or False), got {self.pool_from_prompt!r}."
@@ -131,11 +142,19 @@ class LookaheadConfig:
                 f"in a step of fixed shape, and the memory proposes a tree of any size; got lookahead_window="
                 f'{self.window!r}. Use "{AUTO}" or set `lookahead_memory=False`.'
             )
-        _check_int("lookahead_memory_size", self.memory_size, minimum=1, also=None)
+        _check_int("lookahead_memory_size", self.memory_size, 1, MAX_MEMORY_SIZE, also=None)
         if not isinstance(self.memory_namespace, str) or not NAMESPACE_PATTERN.fullmatch(self.memory_namespace):
             raise ValueError(
                 "`lookahead_memory_namespace` must be a string of 1 to 64 letters, digits, '.', '_' or '-', not "
                 f"starting with '.', got {self.memory_namespace!r}."
+            )
+        step = self.max_step_length()
+        if step > MAX_STEP_TOKENS:
+            raise ValueError(
+                f"lookahead_window={self.window!r}, lookahead_ngram={self.ngram} and lookahead_guess={self.guess} "
+                f"make a step of up to {step} tokens per sequence (1 + (W + G) x (N - 1), plus the pending tokens); "
+                f"at most {MAX_STEP_TOKENS} are allowed, since a step's mask and activations grow with it. Lower "
+                "`lookahead_window`, `lookahead_guess` or `lookahead_ngram`."
             )
 
     @property
@@ -208,10 +227,10 @@ class LookaheadConfig:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int, also: str | None = f'"{AUTO}"') -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        alternative = f" or {also}" if also else ""
-        raise ValueError(f"`{name}` must be an integer >= {minimum}{alternative}, got {value!r}.")
+def _check_int(name: str, value: Any, minimum: int, maximum: int, also: str | None = f'"{AUTO}"') -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= value <= maximum:
+        alternative = f", or {also}" if also else ""
+        raise ValueError(f"`{name}` must be an integer >= {minimum} and <= {maximum}{alternative}, got {value!r}.")
 
 
 def check_cache_implementation(cache_implementation: str | None) -> None:
@@ -296,6 +315,13 @@ def validate_lookahead_setup(
             "step's mask and positions would cross devices inside the forward pass, and this split was never tested. "
             'Shard the model with tensor parallelism instead (`from_pretrained(path, tp_plan="auto")` under '
             "`torchrun`), or load it on one device."
+        )
+    if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
+        raise ValueError(
+            f"Lookahead decoding cannot be combined with `guidance_scale` (got {generation_config.guidance_scale}): "
+            "classifier-free guidance runs a second, unconditional forward pass with a cache of its own for every "
+            "token, one row and one token at a time, which a step that verifies several positions of several rows "
+            "cannot feed. Unset `guidance_scale` (or set it to 1), or remove the `lookahead_*` settings."
         )
     conflicts = {
         "num_beams": (generation_config.num_beams or 1) > 1,

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.utils import logging
 
-from .compatibility import attention_implementation, model_name_or_path
+from .compatibility import attention_implementation
 from .ngram_pool import TokenTree
 from .step_forward import StepForward, max_positions
 from .step_layout import StepInputs, StepLayout
@@ -25,6 +25,8 @@ logger = logging.get_logger(__name__)
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 _CONTEXT = 128
 _ROUNDS = 5
+# Untimed passes first: the first calls allocate and pick kernels.
+_WARM_UP = 3
 # How `measure_step_costs` measures; tables kept by an earlier method (noisier) are measured again.
 MEASUREMENT_METHOD = "interleaved-rounds-monotone"
 
@@ -112,6 +114,13 @@ class StepCostModel:
                     return cls({int(k): float(v) for k, v in kept["relative_costs"].items()})
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass  # Missing, corrupt or foreign (or measured the old way): measured again and replaced below.
+        # Seconds of forward passes before the first token (5 s for a 135M model on 2 CPU cores): said, not silent.
+        logger.warning(
+            f'Lookahead decoding ("auto"): measuring the cost of forward passes of 1 to {max(COST_GRID)} tokens for '
+            f"this model, dtype, device and thread count ({1 + _WARM_UP + _ROUNDS * len(COST_GRID)} forward passes, "
+            f"once); the table is kept {f'in {path}' if path is not None else 'in memory only'}. To measure ahead of "
+            "the first call (a server: before it starts), run `LookaheadState().cost_model(model)` once."
+        )
         costs = measure_step_costs(model, encoder_outputs=encoder_outputs)
         if path is not None:
             try:
@@ -131,7 +140,7 @@ def model_key(model: PreTrainedModel) -> str:
     """What a cost table depends on: the model, its dtype and device, the thread count and the attention backend."""
     parts = [
         type(model).__name__,
-        model_name_or_path(model),
+        str(model.config.name_or_path or ""),
         str(sum(p.numel() for p in model.parameters())),
         str(model.dtype),
         str(model.device.type),
@@ -190,8 +199,8 @@ def measure_step_costs(
         cache.crop(-length)
         return elapsed
 
-    for length in grid[:3]:
-        timed(length)  # warm-up: first calls allocate and pick kernels
+    for length in grid[:_WARM_UP]:
+        timed(length)
     # Every round times each length once, and each length is judged against the one-token step of its own round:
     # load that comes and goes then shifts both alike instead of one length's repeats.
     rounds = [{length: timed(length) for length in grid} for _ in range(_ROUNDS)]

@@ -56,7 +56,7 @@ def generate_with_lookahead(
     model: PreTrainedModel,
     inputs: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,
-    default_window: int | str | None = None,
+    defaults: dict[str, Any] | None = None,
     **kwargs: Any,
 ):
     """
@@ -66,8 +66,9 @@ def generate_with_lookahead(
         model (`PreTrainedModel`): a decoder-only model, or an encoder-decoder model whose decoder takes position ids.
         inputs (`torch.Tensor`, *optional*): as for `generate`.
         generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
-        default_window (`int` or `"auto"`, *optional*): the window to use when nothing sets `lookahead_window`;
-            `None` leaves such calls to plain `generate`. A `lookahead_window="off"` always does.
+        defaults (`dict`, *optional*): `lookahead_*` values for the fields neither the call nor a generation config
+            sets (the Hub entry point's `HUB_DEFAULTS`). Without a `lookahead_window` there, calls that set none are
+            left to plain `generate`; a `lookahead_window="off"` always is.
         kwargs: the other `generate` arguments, `lookahead_*` ones included.
     """
     overrides = {field: kwargs.pop(field) for field in LOOKAHEAD_FIELDS if field in kwargs}
@@ -75,7 +76,7 @@ def generate_with_lookahead(
         overrides,
         generation_config or {},
         getattr(model, "generation_config", None) or {},
-        default_window=default_window,
+        defaults or {},
     )
     # Inputs travel positionally only when given: pipelines pass them by the model's own name (`input_features`).
     inputs_argument = () if inputs is None else (inputs,)

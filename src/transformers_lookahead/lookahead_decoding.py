@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    LogitsProcessorList,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    StoppingCriteriaList,
-)
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .cache_commit import CacheCommitter
-from .compatibility import bind_batch_index, can_auto_compile, pad_token_id, prefill
+from .compatibility import can_auto_compile, pad_token_id, prefill, processors_for_row
 from .configuration_lookahead import (
     AUTO_CONTEXT_DEPTH,
     AUTO_MAX_WINDOW,
@@ -29,11 +23,19 @@ from .configuration_lookahead import (
 from .cost_model import COST_GRID
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
-from .ngram_pool import ContextIndex, NGramPool, TokenTree
+from .ngram_pool import ContextIndex, NGramPool
 from .rank_sync import RankSync
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import RowStep, StepLayout
-from .step_policy import AdaptiveStepPolicy, PolicyEstimates, StaticStepPolicy, choose_window
+from .step_policy import (
+    AdaptiveStepPolicy,
+    PolicyEstimates,
+    StaticStepPolicy,
+    StepChoice,
+    StepOffer,
+    StepPolicy,
+    choose_window,
+)
 from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
 
 if TYPE_CHECKING:
@@ -192,43 +194,104 @@ def generate(
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
 
+class SequenceText:
+    """
+    One sequence's text, as gpt-fast keeps it: a buffer preallocated for the longest text the call allows and the
+    length in use, so that appending a token writes one entry instead of copying the sequence.
+
+    The buffer, on the model's device and with the row's left padding, is what logits processors, stopping criteria
+    and the output read (`input_ids`, a view). `tokens` mirrors the text past the padding as host integers, for what
+    runs on the host (the pool, the window, the context index, the suffix memory); `append` and `truncate` change both,
+    so they never disagree.
+
+    Args:
+        row (`torch.LongTensor` of shape `(1, length)`): the sequence as plain `generate` holds it (padding included).
+        tokens (`list[int]`): the same sequence without its padding.
+        capacity (`int`): the longest the sequence may grow (`max_length`).
+    """
+
+    def __init__(self, row: torch.LongTensor, tokens: list[int], capacity: int):
+        self.buffer = row.new_empty((1, max(capacity, row.shape[1])))
+        self.buffer[:, : row.shape[1]] = row
+        self.length = row.shape[1]
+        self.tokens = tokens
+
+    @property
+    def input_ids(self) -> torch.LongTensor:
+        """The sequence so far, shape `(1, length)`: a view of the buffer."""
+        return self.buffer[:, : self.length]
+
+    def last(self, count: int = 1) -> torch.LongTensor:
+        """The last `count` tokens, shape `(count,)`: a view of the buffer."""
+        return self.buffer[0, self.length - count : self.length]
+
+    def append(self, token: int) -> None:
+        self.buffer[0, self.length] = token
+        self.length += 1
+        self.tokens.append(token)
+
+    def truncate(self, length: int) -> None:
+        """Cuts the sequence to `length` tokens (padding included)."""
+        if length < self.length:
+            del self.tokens[len(self.tokens) - (self.length - length) :]
+            self.length = length
+
+
 class SequenceState:
     """
-    One sequence of the batch: its tokens, n-gram pool, window, step policy and what it accepted so far.
+    One sequence of the batch, complete when built: its text, n-gram pool, window, step policy, context index and
+    verifier, and what it accepted so far.
 
     Args:
         index (`int`): the sequence's row in the batch `generate` was called with.
-        input_ids (`torch.LongTensor` of shape `(1, length)`): the sequence as plain `generate` holds it (left
-            padding included), which is what logits processors and stopping criteria see.
-        tokens (`list[int]`): the sequence without its padding, which the pool and the window learn from.
+        text (`SequenceText`): its text.
         limit (`int`): the length the sequence may not exceed.
+        pool (`NGramPool`): its candidate n-grams.
+        window (`LookaheadWindow`): its Jacobi window.
+        policy (`StepPolicy`): what goes into each of its steps.
+        context (`ContextIndex`, *optional*): where its text repeats itself (for `"auto"` with the prompt pool).
+        verifier (`GreedyVerifier`): how its candidates are checked (greedy or sampling).
     """
 
-    def __init__(self, index: int, input_ids: torch.LongTensor, tokens: list[int], limit: int):
+    def __init__(
+        self,
+        index: int,
+        text: SequenceText,
+        limit: int,
+        pool: NGramPool,
+        window: LookaheadWindow,
+        policy: StepPolicy,
+        context: ContextIndex | None,
+        verifier: GreedyVerifier,
+    ):
         self.index = index
-        self.input_ids = input_ids
-        self.tokens = tokens
+        self.text = text
         self.limit = limit
-        self.pending = input_ids[0, -1:]
+        self.pool = pool
+        self.window = window
+        self.policy = policy
+        self.context = context
+        self.verifier = verifier
+        # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
+        self.pending = text.last()
         self.stopped_at: int | None = None
         self.done = False
         self.accepted: list[int] = []
         self.scores: list[torch.Tensor] = []
         self.raw_logits: list[torch.Tensor] = []
-        self.pool: NGramPool
-        self.window: LookaheadWindow
-        self.policy: StaticStepPolicy
-        self.context: ContextIndex | None
-        self.verifier: GreedyVerifier
 
     @property
     def length(self) -> int:
-        return self.input_ids.shape[1]
+        return self.text.length
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.text.tokens
 
     @property
     def position(self) -> int:
         """The position of the last token (the first real token is at 0, as with left-padded plain decoding)."""
-        return len(self.tokens) - 1
+        return len(self.text.tokens) - 1
 
 
 @dataclass
@@ -238,14 +301,12 @@ class StepPlan:
 
     Args:
         sequence (`SequenceState`): the sequence.
-        offered (`TokenTree`): every candidate its pool and context offered; the policy learns from all of them.
-        tree (`TokenTree`): the candidates the step verifies (a subtree of `offered`).
+        choice (`StepChoice`): what its policy chose from what was offered (the policy learns from all of it).
         row (`RowStep`): the sequence's tokens, positions and visibility in the step, and where its outputs are.
     """
 
     sequence: SequenceState
-    offered: TokenTree
-    tree: TokenTree
+    choice: StepChoice
     row: RowStep
 
 
@@ -384,7 +445,10 @@ class LookaheadDecoder:
         outputs = prefill(self.model, input_ids, self.generation_config, model_kwargs)
         first = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
         del outputs
-        first_scores = self.logits_processor(input_ids, first)
+        rows = input_ids.shape[0]
+        # Every row has its processors to itself from the first token on: some keep state per batch row.
+        processors = [processors_for_row(self.logits_processor, index, rows) for index in range(rows)]
+        first_scores = torch.cat([processors[i](input_ids[i : i + 1], first[i : i + 1]) for i in range(rows)])
         noises = None
         if self.generation_config.do_sample:
             # One seed per sequence from torch's generator: `torch.manual_seed` fixes the call's text.
@@ -401,29 +465,33 @@ class LookaheadDecoder:
         for index in range(input_ids.shape[0]):
             row = input_ids[index : index + 1]
             tokens = row[0].tolist() if slot_valid is None else row[0, slot_valid[index]].tolist()
-            sequence = SequenceState(index, row, tokens, self.generation_config.max_length)
-            verdict = Verdict([first_tokens[index]], [], [first[index : index + 1]], [first_scores[index : index + 1]])
-            self._append(sequence, verdict)
-            sequence.tokens.append(first_tokens[index])
-            sequence.pending = sequence.input_ids[0, -1:]
-            self._equip(sequence, noises[index] if noises is not None else None)
+            limit = self.generation_config.max_length
+            text = SequenceText(row, tokens, limit)
+            appended = text.length < limit
+            if appended:
+                text.append(first_tokens[index])
+            # Built from the prompt and its first token, as every later step sees the text.
+            verifier = GreedyVerifier(processors[index])
+            if noises is not None:
+                verifier = SamplingVerifier(processors[index], noises[index])
+            sequence = self._new_sequence(index, text, limit, verifier)
+            if appended:
+                self._record(sequence, first[index : index + 1], first_scores[index : index + 1])
             sequences.append(sequence)
         self._stream(streamer, sequences[0], 1)
         self._mark_finished(sequences)
         return sequences, slot_valid
 
-    def _equip(self, sequence: SequenceState, noise: PositionNoise | None) -> None:
-        """
-        Gives a sequence its own pool, window, policy and verifier, seeded from its text so far; `noise` is its
-        sampling noise (`None` for greedy decoding).
-        """
-        config, tokens = self.config, sequence.tokens
-        sequence.pool = NGramPool(config.levels, config.guess)
+    def _new_sequence(self, index: int, text: SequenceText, limit: int, verifier: GreedyVerifier) -> SequenceState:
+        """A sequence with its own pool, window and policy, seeded from its text, and its `verifier`."""
+        config, tokens = self.config, text.tokens
+        pool = NGramPool(config.levels, config.guess)
         if config.pool_from_prompt:
-            sequence.pool.add_sequence(tokens)
-        sequence.window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
+            pool.add_sequence(tokens)
+        window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
+        context = None
         if config.adaptive:
-            sequence.policy = AdaptiveStepPolicy(
+            policy = AdaptiveStepPolicy(
                 self.batch_cost,
                 self.window_size * config.levels,
                 config.levels,
@@ -431,16 +499,14 @@ class LookaheadDecoder:
                 memory_match=self.memory.max_match if self.memory is not None else 0,
                 memory_depth=MEMORY_DEPTH,
             )
-            learnt = self._carried_estimates(self._estimates_key(sequence.policy))
+            learnt = self._carried_estimates(self._estimates_key(policy))
             if learnt is not None:
-                sequence.policy.start_from(learnt)
+                policy.start_from(learnt)
             # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
-            sequence.context = ContextIndex() if config.pool_from_prompt else None
+            context = ContextIndex() if config.pool_from_prompt else None
         else:
-            sequence.policy = StaticStepPolicy()
-            sequence.context = None
-        processors = processors_for_row(self.logits_processor, sequence.index)
-        sequence.verifier = GreedyVerifier(processors) if noise is None else SamplingVerifier(processors, noise)
+            policy = StaticStepPolicy(self.window_size * config.levels)
+        return SequenceState(index, text, limit, pool, window, policy, context, verifier)
 
     def _estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
         """Greedy and sampled calls accept at different rates: each kind carries its own estimates."""
@@ -459,37 +525,43 @@ class LookaheadDecoder:
         what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
         the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
         """
-        candidates = [self._candidates(sequence) for sequence in active]
+        offers = [self._offer(sequence) for sequence in active]
         room = self.committer.room()
         budget = None
+        adapts = active[0].policy.adapts
         if self.fixed_length is not None:
             # A compiled forward pass knows two step shapes: one token, or `fixed_length` tokens.
             if room < self.fixed_length:
                 budget = 1
-            elif self.config.adaptive:
-                budget = self._batch_length(active, candidates, (1, self.fixed_length))
-        elif self.config.adaptive and len(active) > 1:
-            budget = self._batch_length(active, candidates)
+            elif adapts:
+                budget = self._batch_length(active, offers, (1, self.fixed_length))
+        elif adapts and len(active) > 1:
+            budget = self._batch_length(active, offers)
         plans = []
-        for sequence, (offered, window_allowed) in zip(active, candidates):
-            pending = sequence.pending.shape[0]
+        for sequence, offer in zip(active, offers):
             if budget == 1:
-                use_window, tree = False, offered.subtree([])
+                choice = StepChoice(offer, False, offer.tree.subtree([]))
             else:
-                use_window, tree = sequence.policy.plan(offered, window_allowed, pending, budget)
+                choice = sequence.policy.plan(offer, budget)
+            use_window, tree = choice.use_window, choice.tree
+            pending = offer.pending
             if room is not None:
                 # A static cache has room for `room` more entries: the step must fit, the window first to go.
                 if use_window and pending + len(sequence.window) + len(tree) > room:
                     use_window = False
                 if pending + len(tree) > room:
                     tree = tree.subtree(list(range(room - pending)))
+            if use_window != choice.use_window or tree is not choice.tree:
+                # Trimmed to fit: no longer the choice its prediction was made for, so it does not calibrate.
+                choice = replace(choice, use_window=use_window, tree=tree, predicted=0.0)
             window_tokens = sequence.window.flat() if use_window else None
             row = layout.row(sequence.pending, sequence.position, window_tokens, tree)
-            plans.append(StepPlan(sequence, offered, tree, row))
+            plans.append(StepPlan(sequence, choice, row))
         return plans
 
-    def _candidates(self, sequence: SequenceState) -> tuple[TokenTree, bool]:
-        """The sequence's candidate tree for this step, and whether its window fits in the model's positions."""
+    def _offer(self, sequence: SequenceState) -> StepOffer:
+        """The sequence's candidates for this step, priced by its policy (with whether its window fits the model's
+        positions)."""
         config, tokens = self.config, sequence.tokens
         position = sequence.position
         position_room = (self.max_positions - 1 - position) if self.max_positions else sequence.limit
@@ -504,7 +576,7 @@ class LookaheadDecoder:
             match = self.memory.match(tokens, min(MEMORY_DEPTH, sequence.limit - sequence.length - 1, position_room))
             if match is not None:
                 tree.add_memory(match, MEMORY_NODES)
-        return tree, window_allowed
+        return sequence.policy.offer(tree, window_allowed, sequence.pending.shape[0])
 
     def _accept(self, plan: StepPlan, logits: torch.Tensor, streamer: BaseStreamer | None) -> tuple[Verdict, int]:
         """
@@ -516,7 +588,7 @@ class LookaheadDecoder:
         """
         sequence = plan.sequence
         verdict = sequence.verifier.verify(
-            logits, plan.tree, plan.row.tree_row, sequence.input_ids, sequence.limit - sequence.length
+            logits, plan.choice.tree, plan.row.tree_row, sequence.text.input_ids, sequence.limit - sequence.length
         )
         kept = self._append(sequence, verdict)
         sequence.accepted.append(kept)
@@ -528,16 +600,14 @@ class LookaheadDecoder:
     ) -> None:
         """Moves one sequence past the step: its pending tokens, policy, window and pool."""
         sequence, config = plan.sequence, self.config
-        sequence.pending = (
-            sequence.input_ids[0, -1:] if config.cache_commit == "gather" else sequence.input_ids[0, -kept:]
-        )
-        sequence.policy.observe(plan.offered, verdict, plan.row.window_used, sequence.pool, sequence.tokens[-1])
+        key = sequence.tokens[-kept - 1]
+        sequence.pending = sequence.text.last(1 if config.cache_commit == "gather" else kept)
+        sequence.policy.observe(plan.choice, verdict, sequence.pool, key)
         if self.follows_durations:
             sequence.policy.observe_duration(step_length, seconds)
         if plan.row.window_used:
             for ngram in sequence.window.update(plan.row.window_top(logits).argmax(-1)):
                 sequence.pool.add(ngram[0], ngram[1:], from_window=True)
-        sequence.tokens.extend(verdict.tokens[:kept])
         if config.pool_from_prompt:
             sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
 
@@ -588,18 +658,13 @@ class LookaheadDecoder:
 
     @staticmethod
     def _batch_length(
-        active: list[SequenceState],
-        candidates: list[tuple[TokenTree, bool]],
-        allowed: tuple[int, ...] | None = None,
+        active: list[SequenceState], offers: list[StepOffer], allowed: tuple[int, ...] | None = None
     ) -> int:
         """
         The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost, among the
         `allowed` lengths (any length if `None`).
         """
-        per_row = [
-            sequence.policy.step_options(tree, window_allowed, sequence.pending.shape[0])
-            for sequence, (tree, window_allowed) in zip(active, candidates)
-        ]
+        per_row = [[(option.length, option.expected) for option in offer.options] for offer in offers]
         longest = max([length for options in per_row for length, _ in options] + list(allowed or ()))
         total = [0.0] * (longest + 1)
         for options in per_row:
@@ -652,18 +717,26 @@ class LookaheadDecoder:
             if sequence.length >= sequence.limit:
                 break
             kept += 1
-            sequence.input_ids = torch.cat([sequence.input_ids, sequence.input_ids.new_tensor([[token]])], dim=-1)
-            if self.keep_scores:
-                sequence.scores.append(processed)
-            if self.keep_logits:
-                sequence.raw_logits.append(raw)
-            if sequence.stopped_at is None:
-                scores = tuple(sequence.scores) if self.keep_scores else None
-                if self.stopping_criteria(sequence.input_ids, scores).any():
-                    sequence.stopped_at = sequence.length
-                    if self.has_eos:
-                        break
+            sequence.text.append(token)
+            if self._record(sequence, raw, processed):
+                break
         return kept
+
+    def _record(self, sequence: SequenceState, raw: torch.Tensor, processed: torch.Tensor) -> bool:
+        """
+        Keeps the logits and scores of the token just appended and checks the stopping criteria on the sequence up
+        to it; returns whether the sequence ends there.
+        """
+        if self.keep_scores:
+            sequence.scores.append(processed)
+        if self.keep_logits:
+            sequence.raw_logits.append(raw)
+        if sequence.stopped_at is None:
+            scores = tuple(sequence.scores) if self.keep_scores else None
+            if self.stopping_criteria(sequence.text.input_ids, scores).any():
+                sequence.stopped_at = sequence.length
+                return self.has_eos
+        return False
 
     def _mark_finished(self, sequences: list[SequenceState]) -> None:
         """
@@ -680,7 +753,7 @@ class LookaheadDecoder:
         for sequence in sequences:
             sequence.limit = min(sequence.limit, final_length)
             if sequence.length >= final_length:
-                sequence.input_ids = sequence.input_ids[:, :final_length]
+                sequence.text.truncate(final_length)
                 sequence.done = True
 
     def _outputs(
@@ -716,11 +789,11 @@ class LookaheadDecoder:
 
     def _output_ids(self, sequences: list[SequenceState]) -> torch.LongTensor:
         if len(sequences) == 1:
-            return sequences[0].input_ids
+            return sequences[0].text.input_ids
         length = max(sequence.length for sequence in sequences)
         pad_id = pad_token_id(self.generation_config)
         rows = [
-            torch.nn.functional.pad(sequence.input_ids, (0, length - sequence.length), value=pad_id or 0)
+            torch.nn.functional.pad(sequence.text.input_ids, (0, length - sequence.length), value=pad_id or 0)
             for sequence in sequences
         ]
         return torch.cat(rows, dim=0)
@@ -739,7 +812,7 @@ class LookaheadDecoder:
     @staticmethod
     def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
         if streamer is not None and kept:
-            streamer.put(sequence.input_ids[0, -kept:].cpu())
+            streamer.put(sequence.text.last(kept).cpu())
 
 
 def step_fingerprint(plans: list[StepPlan]) -> int:
@@ -752,25 +825,3 @@ def step_fingerprint(plans: list[StepPlan]) -> int:
     return hash(
         tuple((plan.sequence.index, plan.sequence.length, tuple(plan.row.input_ids.tolist())) for plan in plans)
     )
-
-
-def processors_for_row(logits_processor: LogitsProcessorList, row: int) -> LogitsProcessorList:
-    """
-    The processors as they apply to one row of the batch, called on that row alone. Processors that look at the
-    row's index in the batch get it bound; every other processor treats rows independently.
-
-    Args:
-        logits_processor (`LogitsProcessorList`): the processors `generate` built for the whole batch.
-        row (`int`): the row.
-    """
-    adapted = LogitsProcessorList()
-    for processor in logits_processor:
-        if isinstance(processor, PrefixConstrainedLogitsProcessor):
-            processor = bind_batch_index(processor, row)
-        elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
-            processor.prompt_ignore_length, torch.Tensor
-        ):
-            processor = copy.copy(processor)
-            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
-        adapted.append(processor)
-    return adapted

@@ -4,17 +4,69 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .compatibility import mark_as_user_config
+from .compatibility import TORCH_REQUIREMENT, TRANSFORMERS_REQUIREMENT, mark_as_user_config
 from .configuration_lookahead import AUTO, LOOKAHEAD_FIELDS, LookaheadConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-HUB_FOLDER = Path(__file__).parent / "hub"
+PACKAGE_DIR = Path(__file__).parent
+# The module that becomes `custom_generate/generate.py`; the modules it imports keep their names beside it.
+ENTRY_MODULE = "hub_generate"
+# The relative imports Transformers follows when it loads a `custom_generate/` folder (the same pattern).
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", flags=re.MULTILINE)
+
+
+def custom_generate_files() -> dict[str, str]:
+    """
+    The files of a self-contained `custom_generate/` folder, by name: `generate.py` (the package's `hub_generate`
+    module), every package module it imports directly or not (verbatim: the package's modules import each other
+    with relative imports only, which Transformers follows), and a `requirements.txt` that Transformers checks
+    before running the code (torch and Transformers, nothing of ours).
+    """
+    files, pending = {}, [ENTRY_MODULE]
+    while pending:
+        module = pending.pop()
+        name = "generate.py" if module == ENTRY_MODULE else f"{module}.py"
+        if name in files:
+            continue
+        files[name] = (PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8")
+        pending.extend(_RELATIVE_IMPORT.findall(files[name]))
+    # Transformers reads one comparison per line, so each bound gets its own line.
+    requirements = [f"transformers{bound}" for bound in TRANSFORMERS_REQUIREMENT]
+    requirements += [f"torch{bound}" for bound in TORCH_REQUIREMENT]
+    files["requirements.txt"] = "\n".join(requirements) + "\n"
+    return dict(sorted(files.items()))
+
+
+def write_custom_generate(directory: str | os.PathLike) -> Path:
+    """
+    Writes the self-contained `custom_generate/` folder (see `custom_generate_files`) into `directory`, replacing
+    one that is there: `model.generate(..., custom_generate=directory, trust_remote_code=True)` then decodes with
+    lookahead where only torch and Transformers are installed, and so does a model folder holding it once loaded with
+    `from_pretrained(directory, trust_remote_code=True)`.
+
+    Args:
+        directory (`str` or `os.PathLike`): a model folder or a strategy repository (created if missing).
+
+    Returns:
+        `Path`: the `custom_generate/` folder written.
+    """
+    folder = Path(directory) / "custom_generate"
+    staging = folder.with_name("custom_generate.part")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name, text in custom_generate_files().items():
+        (staging / name).write_text(text, encoding="utf-8")
+    # Replaced whole: a module an older version wrote and this one no longer has must not stay behind.
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return folder
 
 
 def save_lookahead_model(
@@ -27,8 +79,8 @@ def save_lookahead_model(
     Writes `model` (and `tokenizer`) to a folder that decodes with lookahead wherever it is loaded with
     `trust_remote_code=True`: `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).generate(...)`,
     `transformers serve folder --trust-remote-code`, pipelines. The folder holds the weights, the tokenizer, a
-    `generation_config.json` with the `lookahead_*` fields, and `custom_generate/` (the package's entry point, which
-    needs `transformers-lookahead` installed where the folder is loaded; see its `requirements.txt`).
+    `generation_config.json` with the `lookahead_*` fields, and a self-contained `custom_generate/` (see
+    `write_custom_generate`): where the folder is loaded, only torch and Transformers need to be installed.
 
     Calls on the loaded model use the saved fields unless they pass their own; `lookahead_window="off"` in a call or a
     request's generation config decodes without lookahead.
@@ -61,5 +113,5 @@ def save_lookahead_model(
     generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    shutil.copytree(HUB_FOLDER / "custom_generate", folder / "custom_generate", dirs_exist_ok=True)
+    write_custom_generate(folder)
     return folder

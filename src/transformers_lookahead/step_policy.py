@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .cost_model import StepCostModel
 from .ngram_pool import NGramPool, TokenTree
@@ -71,35 +72,120 @@ class PolicyEstimates:
         )
 
 
+@dataclass(frozen=True)
+class StepOption:
+    """
+    One step a policy could take.
+
+    Args:
+        length (`int`): tokens the step feeds for this sequence.
+        expected (`float`): tokens it is expected to accept.
+        use_window (`bool`): whether it runs the window.
+        count (`int`): how many of the offer's nodes it verifies (the likeliest ones, see `StepOffer.order`).
+    """
+
+    length: int
+    expected: float
+    use_window: bool
+    count: int
+
+
+@dataclass(frozen=True)
+class StepOffer:
+    """
+    What one sequence can put into its next step, priced by its policy (`StepPolicy.offer`).
+
+    Args:
+        tree (`TokenTree`): every candidate its pool, context and memory offer.
+        window_allowed (`bool`): whether the window fits in the model's positions.
+        pending (`int`): tokens the step feeds anyway.
+        options (`tuple[StepOption]`): every step the policy would consider.
+        order (`tuple[int]`): the tree's nodes, likeliest first; every prefix is a subtree.
+        probabilities (`tuple[float]`): each node's estimated acceptance probability before calibration.
+    """
+
+    tree: TokenTree
+    window_allowed: bool
+    pending: int
+    options: tuple[StepOption, ...]
+    order: tuple[int, ...]
+    probabilities: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """
+    The step a policy chose from an offer, carrying what it was chosen with, for `StepPolicy.observe`.
+
+    Args:
+        offer (`StepOffer`): the offer.
+        use_window (`bool`): whether the step runs the window.
+        tree (`TokenTree`): the candidates it verifies (a subtree of `offer.tree`).
+        predicted (`float`): the summed acceptance probability of those candidates, before calibration.
+        probe (`bool`): whether the window runs as a forced probe rather than on its estimated worth.
+    """
+
+    offer: StepOffer
+    use_window: bool
+    tree: TokenTree
+    predicted: float = 0.0
+    probe: bool = False
+
+
+class StepPolicy(Protocol):
+    """
+    Decides what goes into each step of one sequence, and learns from what the steps accepted.
+
+    The loop asks for an `offer` once per step (the candidates priced), then a `plan` of it (for a batch, within the
+    step length the rows settled on), and after the forward pass `observe`s that plan's verdict.
+    """
+
+    # Whether the policy prices steps from measured costs (it then needs a cost table and learns across calls).
+    adapts: bool
+
+    def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer: ...
+
+    def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice: ...
+
+    def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None: ...
+
+    def observe_duration(self, length: int, seconds: float) -> None: ...
+
+    def use_cost(self, cost: StepCostModel) -> None: ...
+
+
 class StaticStepPolicy:
     """Every step holds the whole window and every candidate, as in the paper: the step shape is fixed."""
 
-    def plan(
-        self, tree: TokenTree, window_allowed: bool, pending_length: int, budget: int | None = None
-    ) -> tuple[bool, TokenTree]:
+    adapts = False
+
+    def __init__(self, window_length: int):
+        self.window_length = window_length
+
+    def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer:
         """
         Args:
-            tree (`TokenTree`): every candidate the pool holds for the last accepted token.
+            tree (`TokenTree`): every candidate offered for the last accepted token.
             window_allowed (`bool`): whether the window fits in the model's positions.
-            pending_length (`int`): tokens the step must feed anyway.
-            budget (`int`, *optional*): the step length the batch settled on; the plan may use up to that many
-                tokens (a fixed-shape policy ignores it).
-
-        Returns:
-            `tuple[bool, TokenTree]`: whether to run the window, and the candidates to verify.
+            pending (`int`): tokens the step must feed anyway.
         """
-        return window_allowed, tree
+        length = pending + (self.window_length if window_allowed else 0) + len(tree)
+        option = StepOption(length, 1.0, window_allowed, len(tree))
+        return StepOffer(tree, window_allowed, pending, (option,), tuple(range(len(tree))), (0.0,) * len(tree))
 
-    def observe(self, offered: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
+    def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice:
+        """The whole offer (a fixed shape ignores `budget`, the step length a batch settled on)."""
+        return StepChoice(offer, offer.window_allowed, offer.tree)
+
+    def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
         """
         Learns from a finished step (nothing to learn for a fixed shape).
 
         Args:
-            offered (`TokenTree`): every candidate offered for the step, verified or not.
-            verdict (`Verdict`): what the step accepted.
-            window_used (`bool`): whether the step ran the window.
-            pool (`NGramPool`): the pool the candidates came from.
-            key (`int`): the token the candidates followed.
+            choice (`StepChoice`): the step, as `plan` chose it.
+            verdict (`Verdict`): what it accepted.
+            pool (`NGramPool`): the pool its candidates came from.
+            key (`int`): the token its candidates followed.
         """
 
     def observe_duration(self, length: int, seconds: float) -> None:
@@ -109,7 +195,7 @@ class StaticStepPolicy:
         """Plans with `cost` from now on: the batch changed size (nothing to change for a fixed shape)."""
 
 
-class AdaptiveStepPolicy(StaticStepPolicy):
+class AdaptiveStepPolicy:
     """
     Picks each step's content to maximise expected accepted tokens per unit of forward-pass time.
 
@@ -185,14 +271,12 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         self.calibration_decay = calibration_decay
         self.calibration_prior = calibration_prior
         self._predicted, self._realized = 0.0, 0.0
-        self._planned_probability = 0.0
-        self._raw: list[float] = []
         self._steps_without_window = 0
         self._levels = levels
         self._single_token_seconds: float | None = None
         self._excess_scale = 1.0
-        self._order: list[int] = []
-        self._options_of: tuple[TokenTree, list] | None = None
+
+    adapts = True
 
     def use_cost(self, cost: StepCostModel) -> None:
         """Plans with `cost` from now on: finished rows left the batch, so each extra token per row costs less."""
@@ -280,58 +364,49 @@ class AdaptiveStepPolicy(StaticStepPolicy):
     def window_gain(self) -> float:
         return self._window_credit / max(self._window_steps, 1.0)
 
-    def step_options(self, tree: TokenTree, window_allowed: bool, pending_length: int) -> list[tuple[int, float]]:
+    def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer:
         """
-        Every step this policy could take with `tree`: `(length, expected accepted tokens)` pairs, for choosing one
-        step length for a whole batch (see `LookaheadDecoder`). Arguments as for `plan`.
+        Prices every step this policy could take with `tree`: with or without the window, verifying the `count`
+        likeliest nodes for every count. Arguments as for `StaticStepPolicy.offer`.
         """
-        return [(length, expected) for length, expected, _, _ in self._options(tree, window_allowed, pending_length)]
-
-    def _options(
-        self, tree: TokenTree, window_allowed: bool, pending_length: int
-    ) -> list[tuple[int, float, bool, int]]:
-        """(length, expected tokens, window used, nodes verified) of every step, the nodes taken by probability."""
-        if self._options_of is not None and self._options_of[0] is tree:
-            return self._options_of[1]
-        self._raw = self._raw_probabilities(tree)
-        self._order = sorted(range(len(tree)), key=lambda node: -self._raw[node])
-        probability = self._calibrated(self._raw)
+        raw = self._raw_probabilities(tree)
+        order = sorted(range(len(tree)), key=lambda node: -raw[node])
+        probability = self._calibrated(raw)
         options = []
         for use_window in [False, True] if window_allowed else [False]:
             expected = 1.0 + (self.window_gain if use_window else 0.0)
-            base = pending_length + (self.window_length if use_window else 0)
-            for count in range(len(self._order) + 1):
+            base = pending + (self.window_length if use_window else 0)
+            for count in range(len(order) + 1):
                 if count:
-                    expected += probability[self._order[count - 1]]
-                options.append((base + count, expected, use_window, count))
-        self._options_of = (tree, options)
-        return options
+                    expected += probability[order[count - 1]]
+                options.append(StepOption(base + count, expected, use_window, count))
+        return StepOffer(tree, window_allowed, pending, tuple(options), tuple(order), tuple(raw))
 
-    def plan(
-        self, tree: TokenTree, window_allowed: bool, pending_length: int, budget: int | None = None
-    ) -> tuple[bool, TokenTree]:
-        options = self._options(tree, window_allowed, pending_length)
-        self._options_of = None
+    def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice:
+        """
+        The option with the most expected tokens per unit of cost; within `budget` tokens (the step length a batch
+        settled on, which it pays for anyway), the one with the most expected tokens. After `probe_every` (or the
+        learnt wait) steps without the window, the window runs as a probe.
+        """
+        options = offer.options
         if budget is None:
-            _, _, use_window, count = max(options, key=lambda option: option[1] / self.step_cost(option[0]))
+            best = max(options, key=lambda option: option.expected / self.step_cost(option.length))
         else:
-            # The batch pays for `budget` tokens per row anyway: verify as much as fits.
-            fitting = [option for option in options if option[0] <= budget] or options[:1]
-            _, _, use_window, count = max(fitting, key=lambda option: option[1])
-        if use_window:
-            self._probe_wait = self.probe_every
-        elif window_allowed and self._steps_without_window >= self._probe_wait:
+            fitting = [option for option in options if option.length <= budget] or list(options[:1])
+            best = max(fitting, key=lambda option: option.expected)
+        use_window, count, probe = best.use_window, best.count, False
+        if not use_window and offer.window_allowed and self._steps_without_window >= self._probe_wait:
             if budget is None:
-                use_window = True
+                use_window = probe = True
             else:
                 # Probe with the best step that holds the window and still fits the budget, if there is one.
-                windowed = [option for option in options if option[2] and option[0] <= budget]
+                windowed = [option for option in options if option.use_window and option.length <= budget]
                 if windowed:
-                    _, _, use_window, count = max(windowed, key=lambda option: option[1])
-            if use_window:
-                self._probe_wait = min(2 * self._probe_wait, self.max_probe_every)
-        self._planned_probability = sum(self._raw[node] for node in self._order[:count])
-        return use_window, tree.subtree(self._order[:count])
+                    count = max(windowed, key=lambda option: option.expected).count
+                    use_window = probe = True
+        nodes = list(offer.order[:count])
+        predicted = sum(offer.probabilities[node] for node in nodes)
+        return StepChoice(offer, use_window, offer.tree.subtree(nodes), predicted, probe)
 
     def node_probabilities(self, tree: TokenTree) -> list[float]:
         """The estimated probability that each node of `tree` is accepted, calibrated (see the class docstring)."""
@@ -370,7 +445,9 @@ class AdaptiveStepPolicy(StaticStepPolicy):
             probability.append(max(pooled, copied, recalled))
         return probability
 
-    def observe(self, offered: TokenTree, verdict: Verdict, window_used: bool, pool: NGramPool, key: int) -> None:
+    def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
+        """Learns from the step `choice` planned and its `verdict` (see `StaticStepPolicy.observe`)."""
+        offered, window_used = choice.offer.tree, choice.use_window
         # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
         self._learn_matches(offered, verdict.tokens)
         for depth, node in enumerate(offered.context_path(), start=1):
@@ -383,11 +460,14 @@ class AdaptiveStepPolicy(StaticStepPolicy):
         if offered.memory_total:
             self._learn_memory(offered, verdict.tokens)
         keep = self.calibration_decay
-        self._predicted = keep * self._predicted + self._planned_probability
-        self._realized = keep * self._realized + (len(verdict.nodes) if self._planned_probability else 0)
-        self._planned_probability = 0.0
+        self._predicted = keep * self._predicted + choice.predicted
+        self._realized = keep * self._realized + (len(verdict.nodes) if choice.predicted else 0)
         matched = verdict.tokens[: len(verdict.nodes)]
         window_credit = len(matched) if pool.found_by_window(key, matched) else 0
         self._window_credit = self.decay * self._window_credit + window_credit
         self._window_steps = self.decay * self._window_steps + float(window_used)
         self._steps_without_window = 0 if window_used else self._steps_without_window + 1
+        if choice.probe:
+            self._probe_wait = min(2 * self._probe_wait, self.max_probe_every)
+        elif window_used:
+            self._probe_wait = self.probe_every

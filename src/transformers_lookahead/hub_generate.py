@@ -1,0 +1,69 @@
+"""
+The Hub entry point: written as `custom_generate/generate.py` of the strategy repository and of every model folder
+`save_lookahead_model` writes, with the modules it imports beside it (see `write_custom_generate`).
+
+Stock Transformers runs it in three ways: `model.generate(..., custom_generate=<repo or folder>,
+trust_remote_code=True)`, the `generate` of a model loaded with `from_pretrained(folder, trust_remote_code=True)`,
+and `transformers serve folder --trust-remote-code`, which does the latter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .configuration_lookahead import AUTO
+from .generation_mixin import generate_with_lookahead
+from .lookahead_state import LookaheadState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+try:  # present where `transformers serve` runs
+    from starlette.exceptions import HTTPException
+except ImportError:  # pragma: no cover - plain Python use
+    HTTPException = None
+
+# What a call through this entry point gets when neither the call nor a generation config says otherwise. The suffix
+# memory is off: one loaded model may answer many users (a server), and a shared memory would let one user's text
+# shape another's candidates and timing. Operators turn it on with `lookahead_memory=True` (and give each tenant a
+# `lookahead_memory_namespace`).
+HUB_DEFAULTS = {"lookahead_window": AUTO, "lookahead_memory": False}
+
+
+def generate(*args: Any, model: PreTrainedModel, **kwargs: Any):
+    """
+    `generate` with lookahead decoding; `lookahead_*` arguments and generation config fields apply, and
+    `lookahead_window="off"` decodes without lookahead. `model` is keyword-only: `from_pretrained` binds it with
+    `functools.partial(generate, model=...)`, so the inputs of `model.generate(input_ids, ...)` arrive positionally.
+
+    The model keeps one `LookaheadState` for its life, as `model.lookahead_state`, created by its first call here
+    when it has none (a folder's `generate` is the only code of ours a server runs): requests then share the cost
+    table and the carried estimates (and the suffix memory, where it is turned on).
+
+    Raises:
+        `ValueError` for a refused setting; under a Starlette server (`transformers serve`) one that the server
+        answers with HTTP 422 and the message.
+    """
+    if "lookahead_state" not in vars(model):
+        # `setdefault` on the instance dict is atomic: two first requests at once agree on one state.
+        vars(model).setdefault("lookahead_state", LookaheadState())
+    try:
+        return generate_with_lookahead(model, *args, defaults=HUB_DEFAULTS, **kwargs)
+    except ValueError as error:
+        if HTTPException is None:
+            raise
+        # A refused setting is the request's fault: a server answers 422 with the message instead of a bare 500.
+        raise RequestSettingsError(str(error)) from error
+
+
+if HTTPException is not None:
+
+    class RequestSettingsError(ValueError, HTTPException):
+        """A `ValueError` that web frameworks built on Starlette (`transformers serve`) answer with a 422."""
+
+        def __init__(self, message: str):
+            ValueError.__init__(self, message)
+            HTTPException.__init__(self, status_code=422, detail=message)
+
+        def __str__(self) -> str:
+            return self.detail

@@ -1,0 +1,52 @@
+"""
+What a Hub user runs, in a venv with stock torch and Transformers only (see `stock_venv.py`): plain greedy, then the
+lookahead strategy through a `custom_generate` repository or a model folder, and what each did.
+
+    python stock_user.py '{"model": DIR, "route": "custom_generate", "repo": DIR, "prompts": [[1, 2]], ...}'
+
+Prints one JSON line: `plain` (token lists per prompt), `calls` (per call settings, per prompt: tokens and forward
+passes, as the lookahead output counts them, else as a forward hook does), and whether this interpreter could import `transformers_lookahead` at all.
+"""
+
+import importlib.util
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main(job: dict) -> dict:
+    plain_model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    common = {"max_new_tokens": job["max_new_tokens"], "do_sample": False}
+    prompts = [torch.tensor([prompt]) for prompt in job["prompts"]]
+    plain = [plain_model.generate(prompt, **common)[0].tolist() for prompt in prompts]
+    if job["route"] == "model_folder":
+        model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, trust_remote_code=True)
+        route = {}
+    else:
+        model, route = plain_model, {"custom_generate": job["repo"], "trust_remote_code": True}
+    passes = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    calls = []
+    for settings in job["calls"]:
+        results = []
+        for prompt in prompts:
+            passes.clear()
+            out = model.generate(prompt, **common, **route, **settings, return_dict_in_generate=True)
+            # The lookahead loop counts its own passes (the first "auto" call also times ~84 passes to price steps).
+            counted = getattr(out, "num_forward_passes", None)
+            results.append(
+                {"tokens": out.sequences[0].tolist(), "passes": len(passes) if counted is None else counted}
+            )
+        calls.append(results)
+    return {
+        "plain": plain,
+        "calls": calls,
+        "lookahead_importable": importlib.util.find_spec("transformers_lookahead") is not None,
+        "loaded": sorted({name.split(".")[-1] for name in sys.modules if ".custom_generate." in name}),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))

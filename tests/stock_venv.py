@@ -1,0 +1,72 @@
+"""
+A virtual environment holding stock torch and Transformers (with Transformers' serving extras) and nothing of ours:
+where a Hub user runs the strategy. Built once per pin set and kept under the assets' cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from utils.assets import default_cache_dir  # noqa: E402
+
+# Runs in the stock venv; reads one JSON job from argv and prints one JSON line of results.
+STOCK_USER = Path(__file__).with_name("stock_user.py")
+
+
+def stock_pins() -> list[str]:
+    """The packages the venv holds: the torch and Transformers releases this suite runs with, nothing else of ours."""
+    torch_version = importlib.metadata.version("torch").split("+")[0]
+    transformers_version = importlib.metadata.version("transformers")
+    return [f"torch=={torch_version}", f"transformers[serving]=={transformers_version}"]
+
+
+def stock_python(timeout: float = 900) -> Path:
+    """
+    The interpreter of the stock venv, built on first use and again whenever the pins change (its folder is named by
+    their hash). `pins.json` is written last: a venv without it was not finished, and is built again.
+    """
+    pins = stock_pins()
+    digest = hashlib.sha256(json.dumps([sys.version_info[:2], pins]).encode()).hexdigest()[:12]
+    folder = default_cache_dir() / f"stock-venv-{digest}"
+    python = folder / "bin" / "python"
+    if (folder / "pins.json").is_file():
+        return python
+    # Built in place: a venv's scripts (`bin/transformers`) name the interpreter by its absolute path.
+    shutil.rmtree(folder, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=300)
+    # The pinned torch first, alone: asked for through another package, pip would take a multi-GB CUDA build.
+    for requirement in pins:
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", requirement],
+            check=True,
+            timeout=timeout,
+        )
+    (folder / "pins.json").write_text(json.dumps(pins))
+    return python
+
+
+def run_as_stock_user(job: dict, timeout: float = 600) -> dict:
+    """Runs `stock_user.py` with `job` in the stock venv, from an empty folder, and returns what it printed."""
+    python = stock_python()
+    with tempfile.TemporaryDirectory() as empty:
+        result = subprocess.run(
+            [str(python), str(STOCK_USER), json.dumps(job)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=empty,
+            check=False,
+        )
+    if result.returncode != 0:
+        raise AssertionError(f"stock user failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,0 +1,214 @@
+"""
+The self-contained `custom_generate/` folder (`write_custom_generate`), the Hub repository built around it
+(`utils/build_hub_repo.py`), and both run where a Hub user is: a venv with stock torch and Transformers only.
+"""
+
+import ast
+import importlib.metadata
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from pathlib import Path
+
+import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.dynamic_module_utils import check_python_requirements, get_relative_import_files
+from transformers.testing_utils import slow
+
+import transformers_lookahead
+from transformers_lookahead.configuration_lookahead import LOOKAHEAD_FIELDS
+from transformers_lookahead.lookahead_state import MEMORY_DIR_VARIABLE
+from transformers_lookahead.model_folder import ENTRY_MODULE, PACKAGE_DIR, custom_generate_files
+from utils.build_hub_repo import build_hub_repo
+from utils.serving import ServeProcess, lookahead_folder
+
+from .stock_venv import run_as_stock_user, stock_python
+
+# What the folder's code may import besides itself: the standard library, and what its requirements name (with
+# safetensors, a Transformers dependency, and starlette, imported only where it is installed).
+ALLOWED_IMPORTS = set(sys.stdlib_module_names) | {"torch", "transformers", "safetensors", "starlette"}
+README_SECTIONS = [
+    "## Description",
+    "## Base model",
+    "## Model compatibility",
+    "## Additional Arguments",
+    "## Output Type changes",
+    "## Example usage",
+]
+
+
+class CustomGenerateFolderTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.folder = transformers_lookahead.write_custom_generate(self.tmp.name)
+
+    def test_files_are_the_package_modules_unchanged(self):
+        written = {path.name: path.read_text() for path in self.folder.iterdir()}
+        self.assertEqual(written, custom_generate_files())
+        for name, text in written.items():
+            if name == "requirements.txt":
+                continue
+            module = ENTRY_MODULE if name == "generate.py" else name.removesuffix(".py")
+            self.assertEqual(text, (PACKAGE_DIR / f"{module}.py").read_text(), f"{name} differs from {module}.py")
+
+    def test_transformers_collects_exactly_these_modules(self):
+        collected = {Path(path).name for path in get_relative_import_files(str(self.folder / "generate.py"))}
+        modules = {path.name for path in self.folder.glob("*.py")} - {"generate.py"}
+        self.assertEqual(collected, modules)
+        self.assertNotIn("model_folder.py", modules, "the tooling that writes folders is not shipped in them")
+
+    def test_imports_only_what_a_stock_environment_has(self):
+        for path in self.folder.glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    self.assertEqual(node.level, 1, f"{path.name}: only `from .module import name` is followed")
+                    self.assertTrue((self.folder / f"{node.module}.py").is_file(), f"{path.name}: .{node.module}")
+                elif isinstance(node, ast.ImportFrom | ast.Import):
+                    names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                    for name in names:
+                        self.assertIn(name.split(".")[0], ALLOWED_IMPORTS, f"{path.name} imports {name}")
+
+    def test_requirements_are_the_packages_own_bounds(self):
+        requirements = [Requirement(line) for line in (self.folder / "requirements.txt").read_text().splitlines()]
+        self.assertEqual({requirement.name for requirement in requirements}, {"torch", "transformers"})
+        installed = {
+            Requirement(r).name: Requirement(r).specifier
+            for r in importlib.metadata.requires("transformers-lookahead")
+            if ";" not in r
+        }
+        for name in ("torch", "transformers"):
+            folder_bounds = SpecifierSet(",".join(str(r.specifier) for r in requirements if r.name == name))
+            self.assertEqual(folder_bounds, installed[name], f"{name}: the folder and setup.py disagree")
+        check_python_requirements(self.tmp.name, requirements_file="custom_generate/requirements.txt")
+
+    def test_writing_again_replaces_a_stale_folder(self):
+        (self.folder / "old_module.py").write_text("raise ImportError")
+        transformers_lookahead.write_custom_generate(self.tmp.name)
+        self.assertEqual(sorted(path.name for path in self.folder.iterdir()), sorted(custom_generate_files()))
+
+
+class HubRepoTest(unittest.TestCase):
+    def test_readme_has_what_a_custom_generate_repo_needs(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = build_hub_repo(Path(tmp) / "repo", repo_id="owner/lookahead")
+            readme = (folder / "README.md").read_text()
+            self.assertEqual(sorted(path.name for path in folder.iterdir()), ["README.md", "custom_generate"])
+        front_matter = readme.split("---")[1]
+        self.assertIn("library_name: transformers", front_matter)
+        self.assertIn("- custom_generate", front_matter)
+        positions = [readme.index(section) for section in README_SECTIONS]
+        self.assertEqual(positions, sorted(positions))
+        arguments = readme[readme.index("## Additional Arguments") : readme.index("## Output Type changes")]
+        for field in LOOKAHEAD_FIELDS:
+            self.assertIn(f"`{field}`", arguments)
+        self.assertIn('custom_generate="owner/lookahead"', readme)
+        self.assertNotIn("{", readme.split("```python")[0], "every placeholder is filled")
+
+
+@slow
+class StockTransformersTest(unittest.TestCase):
+    """SmolLM2-135M-Instruct in fp32, decoded in a venv where `transformers_lookahead` cannot be imported."""
+
+    MAX_NEW_TOKENS = 48
+    CALLS = [{"lookahead_window": 4, "lookahead_ngram": 3}, {"lookahead_window": "auto"}, {"lookahead_window": "off"}]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.python = stock_python()
+        cls.folder = lookahead_folder("auto")
+        cls.tokenizer = AutoTokenizer.from_pretrained(cls.folder)
+        # Text that continues what it read, where any speculative decoder takes multi-token steps.
+        texts = [
+            'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n    return text == '
+            'text[::-1]\n\n\ndef is_anagram(first, second):\n    """Return True if',
+            "Counting in words: one, two, three, four, five, six, seven,",
+        ]
+        cls.prompts = [cls.tokenizer(text)["input_ids"] for text in texts]
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.repo = build_hub_repo(Path(cls.tmp.name) / "lookahead-repo")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def _check(self, result: dict) -> None:
+        self.assertFalse(result["lookahead_importable"], "the stock venv must not hold transformers_lookahead")
+        self.assertIn("lookahead_decoding", result["loaded"], "the folder's own modules ran")
+        lookahead, auto, off = result["calls"]
+        for index, plain in enumerate(result["plain"]):
+            new_tokens = len(plain) - len(self.prompts[index])
+            self.assertEqual(new_tokens, self.MAX_NEW_TOKENS)
+            for name, call in (("window 4", lookahead), ("auto", auto), ("off", off)):
+                self.assertEqual(call[index]["tokens"], plain, f"{name}, prompt {index}")
+            self.assertLess(lookahead[index]["passes"], new_tokens, "multi-token steps with lookahead_window=4")
+            self.assertLess(auto[index]["passes"], new_tokens, 'multi-token steps with "auto"')
+            self.assertEqual(off[index]["passes"], new_tokens, "one pass per token with lookahead off")
+
+    def _job(self, route: str) -> dict:
+        return {
+            "model": str(self.folder),
+            "route": route,
+            "repo": str(self.repo),
+            "prompts": self.prompts,
+            "max_new_tokens": self.MAX_NEW_TOKENS,
+            "calls": self.CALLS,
+        }
+
+    def test_custom_generate_repo_with_call_settings(self):
+        self._check(run_as_stock_user(self._job("custom_generate")))
+
+    def test_model_folder_route(self):
+        self._check(run_as_stock_user(self._job("model_folder")))
+
+    def test_served_model_folder_with_two_clients(self):
+        import openai
+
+        model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32)
+        questions = ["List three facts about the Moon.", "Write a Python function that adds two numbers."]
+        expected = {}
+        for question in questions:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+            )["input_ids"]
+            plain = model.generate(ids, max_new_tokens=40, do_sample=False)
+            expected[question] = self.tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
+        with tempfile.TemporaryDirectory() as memory_dir:
+            environment = {MEMORY_DIR_VARIABLE: memory_dir}
+            with ServeProcess(self.folder, python=self.python, environment=environment) as server:
+                client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
+                answers, arrivals, errors = {}, {}, []
+
+                def ask(question: str) -> None:
+                    try:
+                        stream = client.chat.completions.create(
+                            model=str(self.folder),
+                            messages=[{"role": "user", "content": question}],
+                            max_tokens=40,
+                            temperature=0,
+                            stream=True,
+                        )
+                        parts, times = [], []
+                        for chunk in stream:
+                            if chunk.choices and chunk.choices[0].delta.content:
+                                parts.append(chunk.choices[0].delta.content)
+                                times.append(time.perf_counter())
+                        answers[question], arrivals[question] = "".join(parts), times
+                    except Exception as error:  # reported below with the question
+                        errors.append((question, repr(error)))
+
+                clients = [threading.Thread(target=ask, args=(question,)) for question in questions]
+                for thread in clients:
+                    thread.start()
+                for thread in clients:
+                    thread.join(timeout=600)
+                self.assertEqual(errors, [])
+            written = list(Path(memory_dir).iterdir())
+        self.assertEqual(answers, expected)
+        together = sum(b - a < 0.005 for times in arrivals.values() for a, b in zip(times, times[1:]))
+        self.assertGreater(together, 0, "no step sent several tokens at once")
+        self.assertEqual(written, [], "served models keep no suffix memory unless the operator turns it on")
