@@ -10,10 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 BENCH_ARGS ?=
 # The oldest Transformers the package allows (`compatibility.TRANSFORMERS_REQUIREMENT`): `make test-oldest` runs the
 # suite against it.
-TRANSFORMERS_OLDEST := $(shell sed -n 's/^TRANSFORMERS_REQUIREMENT = (">=\([0-9.]*\)".*/\1/p' src/transformers_lookahead/compatibility.py)
+TRANSFORMERS_OLDEST := $(shell sed -n '/^TRANSFORMERS_REQUIREMENT/s/[^0-9.]*\([0-9.]*\).*/\1/p' src/transformers_lookahead/compatibility.py)
 OLDEST_VENV ?= .venv-oldest
 
-.PHONY: install test test-oldest quality style bench bench-full bench-memory cost-curve gpu-check serve clean
+.PHONY: install test test-oldest quality style bench bench-full bench-memory cost-curve gpu-check serve hub-repo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -69,5 +69,11 @@ gpu-check: install
 serve: install
 	$(PY) utils/serving.py $(SERVE_ARGS)
 
+# The strategy as a Hub repository stock Transformers runs (`custom_generate=<repo>`): README + self-contained
+# custom_generate/, written to HUB_DIR (upload it as it is).
+HUB_DIR ?= hub_repo
+hub-repo: install
+	$(PY) utils/build_hub_repo.py $(HUB_DIR) $(HUB_ARGS)
+
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache hub_repo

@@ -7,23 +7,13 @@ from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from transformers_lookahead import enable_lookahead
+from utils.distribution_check import homogeneity_p_value, token_counts
+from utils.tiny_models import left_padded
 
-from .distribution_check import homogeneity_p_value, token_counts
 from .test_verification import P_VALUE
 from .utils import SMALL_VOCABULARY, random_prompt, small_vocabulary_model, tiny_model
 
 SHAPES = [(4, 3, 4), (7, 5, 7), ("auto", 5, None)]
-
-
-def left_padded(prompts: list[torch.LongTensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """What a tokenizer with `padding_side="left"` returns for these prompts."""
-    length = max(prompt.shape[-1] for prompt in prompts)
-    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(prompts), length, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, length - prompt.shape[-1] :] = prompt.flatten()
-        attention_mask[row, length - prompt.shape[-1] :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def mixed_prompts(count: int = 3) -> list[torch.LongTensor]:

@@ -6,10 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from parameterized import parameterized
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, pipeline
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast, pipeline
 
 import transformers_lookahead
 from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadGenerationMixin, enable_lookahead
+from transformers_lookahead.generation_mixin import is_lookahead_enabled
 
 from .utils import VOCAB, random_prompt, tiny_model
 
@@ -26,36 +27,49 @@ PROMPT_TEXT = " ".join(f"w{i}" for i in [5, 9, 33, 12, 5, 9, 33, 40, 41, 7, 5, 9
 
 
 class EnableLookaheadTest(unittest.TestCase):
-    def test_enable_is_per_object_and_idempotent(self):
+    def test_enable_binds_generate_and_keeps_the_class(self):
         model, other = tiny_model("llama"), tiny_model("llama")
         original = type(model)
         self.assertIs(enable_lookahead(model), model)
-        self.assertIsInstance(model, LookaheadGenerationMixin)
-        self.assertIsInstance(model, original)
-        self.assertEqual(type(model).__name__, original.__name__)
-        self.assertNotIsInstance(other, LookaheadGenerationMixin)
-        cls = type(model)
+        self.assertIs(type(model), original, "the class stays as it was")
+        self.assertTrue(is_lookahead_enabled(model))
+        self.assertFalse(is_lookahead_enabled(other))
+        bound, state = model.generate, model.lookahead_state
         enable_lookahead(model)
-        self.assertIs(type(model), cls)
-        self.assertIs(type(enable_lookahead(other)), cls, "one subclass per model class")
+        self.assertIs(model.generate, bound, "idempotent")
+        self.assertIs(model.lookahead_state, state, "the state is kept")
+        prompt = random_prompt(20, seed=2)
+        expected = other.generate(prompt, max_new_tokens=20, do_sample=False)
+        self.assertTrue(torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False), expected))
+        out = model.generate(
+            prompt, max_new_tokens=20, do_sample=False, lookahead_window=4, return_dict_in_generate=True
+        )
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput)
+        self.assertTrue(torch.equal(out.sequences, expected))
 
-    def test_save_pretrained_writes_the_original_architecture(self):
+    def test_an_enabled_model_saves_as_stock_and_a_mixin_class_keeps_its_fields(self):
         model = enable_lookahead(tiny_model("llama"))
-        model.generation_config.lookahead_window = 6
-        model.generation_config.lookahead_ngram = 3
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             reloaded = AutoModelForCausalLM.from_pretrained(tmp)
-            config = GenerationConfig.from_pretrained(tmp)
         self.assertEqual(reloaded.config.architectures, ["LlamaForCausalLM"])
-        self.assertNotIsInstance(reloaded, LookaheadGenerationMixin)
+        self.assertFalse(is_lookahead_enabled(reloaded))
+
+        class LookaheadLlama(LookaheadGenerationMixin, LlamaForCausalLM):
+            pass
+
+        mixed = LookaheadLlama(model.config)
+        mixed.load_state_dict(model.state_dict())
+        mixed.generation_config.lookahead_window = 6
+        mixed.generation_config.lookahead_ngram = 3
+        with tempfile.TemporaryDirectory() as tmp:
+            mixed.save_pretrained(tmp)
+            config = GenerationConfig.from_pretrained(tmp)
         self.assertEqual((config.lookahead_window, config.lookahead_ngram), (6, 3))
         prompt = random_prompt(20, seed=2)
-        expected = reloaded.generate(prompt, max_new_tokens=20, do_sample=False)
-        out = enable_lookahead(reloaded).generate(
-            prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True
-        )
-        self.assertIsInstance(out, LookaheadDecoderOnlyOutput, "the saved lookahead fields are picked up")
+        expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
+        out = mixed.generate(prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+        self.assertIsInstance(out, LookaheadDecoderOnlyOutput, "the class's lookahead fields are picked up")
         self.assertTrue(torch.equal(out.sequences, expected))
 
     def test_rejects_non_generative_objects(self):

@@ -11,9 +11,10 @@ from parameterized import parameterized
 from transformers import SynthIDTextWatermarkingConfig, WatermarkingConfig
 
 from transformers_lookahead import enable_lookahead
+from utils.distribution_check import homogeneity_p_value, token_counts
+from utils.tiny_models import left_padded
 
-from .distribution_check import homogeneity_p_value, token_counts
-from .test_batched_decoding import left_padded, mixed_prompts
+from .test_batched_decoding import mixed_prompts
 from .test_encoder_decoder import count_decoder_calls, whisper_features
 from .test_model_registry import registry_model
 from .test_verification import P_VALUE

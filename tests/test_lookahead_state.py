@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 
-from transformers_lookahead import LookaheadConfig, LookaheadState, compatibility, enable_lookahead
+from transformers_lookahead import LookaheadConfig, LookaheadState, enable_lookahead
 from transformers_lookahead import generate as lookahead_generate
 from transformers_lookahead.cost_model import measure_step_costs
 from transformers_lookahead.step_policy import PolicyEstimates
@@ -132,25 +132,7 @@ class ConcurrentCallsTest(unittest.TestCase):
         room = LookaheadConfig(window=4).max_step_length()
         # Plain decoding never caches its last token: its static cache holds prompt + new tokens - 1.
         self.assertEqual(looked.cache.layers[0].max_cache_len, 16 + 20 - 1 + room)
-        self.assertEqual(compatibility._STEP_ROOM.get(), 0, "the room ends with the call")
-
-    def test_step_room_is_per_thread(self):
-        inside, seen = threading.Event(), []
-
-        def holder():
-            with compatibility.step_room(7):
-                seen.append(compatibility._STEP_ROOM.get())
-                inside.set()
-                release.wait(timeout=30)
-
-        release = threading.Event()
-        thread = threading.Thread(target=holder)
-        thread.start()
-        inside.wait(timeout=30)
-        seen.append(compatibility._STEP_ROOM.get())
-        release.set()
-        thread.join(timeout=30)
-        self.assertEqual(seen, [7, 0])
+        self.assertIsNone(model.generation_config.max_cache_len, "the room is asked for by the call, not kept")
 
 
 class UnenabledModelTest(unittest.TestCase):

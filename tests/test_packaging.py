@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Everything `generate` needs, and only that.
 STRATEGY_MODULES = {
     "__init__",
+    "auto_tuning",
     "cache_commit",
     "compatibility",
     "configuration_lookahead",

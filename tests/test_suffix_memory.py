@@ -10,7 +10,7 @@ from parameterized import parameterized
 from safetensors.torch import save_file
 
 from transformers_lookahead import LookaheadState, enable_lookahead
-from transformers_lookahead.configuration_lookahead import AUTO_CONTEXT_DEPTH
+from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.suffix_memory import MEMORY_FORMAT, SuffixMemory, vocabulary_key
 
 from .utils import VOCAB, flat_step_costs, random_prompt, tiny_model
@@ -18,7 +18,7 @@ from .utils import VOCAB, flat_step_costs, random_prompt, tiny_model
 VOCABULARY = f"llama/{VOCAB}"
 # Without the memory a step accepts at most the context's continuation plus one token (the pool's n-grams are
 # shorter): a longer step can only come from the memory.
-LONGEST_STEP_WITHOUT_MEMORY = AUTO_CONTEXT_DEPTH + 1
+LONGEST_STEP_WITHOUT_MEMORY = AUTO_TUNING.context_depth + 1
 
 
 class SuffixMemoryTest(unittest.TestCase):

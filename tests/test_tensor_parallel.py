@@ -16,9 +16,9 @@ import torch
 from transformers.testing_utils import slow
 
 from utils.assets import smollm2_path
+from utils.distribution_check import homogeneity_p_value, token_counts
 from utils.serving import free_port
 
-from .distribution_check import homogeneity_p_value, token_counts
 from .utils import SMALL_VOCABULARY, small_vocabulary_model, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

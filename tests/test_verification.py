@@ -7,8 +7,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.verification import GreedyVerifier, PositionNoise, SamplingVerifier
+from utils.distribution_check import chi_square_p_value, homogeneity_p_value
 
-from .distribution_check import chi_square_p_value, homogeneity_p_value
 from .utils import SMALL_VOCABULARY, flat_step_costs, pool_tree, small_vocabulary_model
 
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm

@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tests.distribution_check import homogeneity_p_value, token_counts  # noqa: E402
 from transformers_lookahead import enable_lookahead  # noqa: E402
 from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
 from utils.assets import (  # noqa: E402
@@ -42,6 +41,7 @@ from utils.assets import (  # noqa: E402
     tuning_prompts,
     whisper_tiny_en_path,
 )
+from utils.distribution_check import homogeneity_p_value, token_counts  # noqa: E402
 from utils.memory_benchmark import (  # noqa: E402
     format_memory_table,
     own_memory,
@@ -50,6 +50,7 @@ from utils.memory_benchmark import (  # noqa: E402
     summarize_memory,
 )
 from utils.plotting import grouped_bars  # noqa: E402
+from utils.tiny_models import left_padded  # noqa: E402
 
 # name -> generate() keyword arguments
 METHODS = {
@@ -120,6 +121,17 @@ class ForwardTimer:
 
     def reset(self):
         self.calls, self.seconds, self._began = 0, 0.0, 0.0
+
+    def generate(self, *args, **kwargs):
+        """
+        `model.generate(*args, **kwargs)` timed end to end, the device synchronised, with this timer's counts reset
+        first (so `calls` and `seconds` are that call's): returns the output and the wall seconds.
+        """
+        self.reset()
+        start = time.perf_counter()
+        out = self.model.generate(*args, **kwargs)
+        self._sync()
+        return out, time.perf_counter() - start
 
     def _sync(self):
         if self.model.device.type == "cuda":
@@ -237,13 +249,8 @@ def run_benchmark(args) -> dict:
         reference = None
         for repeat in range(args.repeats):
             for name, kwargs in methods.items():
-                timer.reset()
-                start = time.perf_counter()
                 # One memory per repeat: earlier prompts' answers may help, this prompt's earlier answer may not.
-                out = model.generate(ids, **common, **kwargs, **own_memory(kwargs, f"repeat-{repeat}"))
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds = time.perf_counter() - start
+                out, seconds = timer.generate(ids, **common, **kwargs, **own_memory(kwargs, f"repeat-{repeat}"))
                 if reference is None:
                     reference = model.generate(ids, **common) if name != "greedy" else out
                 runs.append(
@@ -413,9 +420,7 @@ def run_sampling_benchmark(args) -> dict:
             for repeat in range(args.repeats):
                 for method, kwargs in SAMPLING_METHODS.items():
                     torch.manual_seed(1000 * index + repeat)
-                    timer.reset()
-                    start = time.perf_counter()
-                    out = model.generate(
+                    out, seconds = timer.generate(
                         ids,
                         do_sample=True,
                         temperature=temperature,
@@ -423,8 +428,6 @@ def run_sampling_benchmark(args) -> dict:
                         **kwargs,
                         **own_memory(kwargs, f"{temperature}-{repeat}"),
                     )
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
                     runs.append(
                         {
                             "prompt_id": prompt_id,
@@ -433,7 +436,7 @@ def run_sampling_benchmark(args) -> dict:
                             "temperature": temperature,
                             "repeat": repeat,
                             "new_tokens": out.shape[1] - ids.shape[1],
-                            "seconds": time.perf_counter() - start,
+                            "seconds": seconds,
                             "forward_passes": timer.calls,
                         }
                     )
@@ -540,17 +543,6 @@ def format_sampling_table(rows: list[dict], checks: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _left_pad(rows: list[torch.LongTensor], pad_id: int) -> dict[str, torch.Tensor]:
-    """Stacks `(1, length)` prompts into a left-padded batch with its attention mask."""
-    length = max(row.shape[1] for row in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device=rows[0].device)
-    attention_mask = torch.zeros_like(input_ids)
-    for index, row in enumerate(rows):
-        input_ids[index, length - row.shape[1] :] = row[0]
-        attention_mask[index, length - row.shape[1] :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
 def run_batched_benchmark(args) -> dict:
     """
     Batched greedy against batched lookahead (`lookahead_window="auto"`) for each batch size, on the same prompts
@@ -564,7 +556,7 @@ def run_batched_benchmark(args) -> dict:
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad_id}
     methods = {"greedy": {}, "lookahead_auto": {"lookahead_window": "auto"}}
     timer = ForwardTimer(model)
-    warm = _left_pad([prompts[0][2], prompts[-1][2]], pad_id)
+    warm = left_padded([prompts[0][2], prompts[-1][2]], pad_id)
     for kwargs in methods.values():
         model.generate(**warm, **common, **kwargs)
     runs = []
@@ -573,16 +565,13 @@ def run_batched_benchmark(args) -> dict:
     for size in args.batch_sizes:
         for start in range(0, len(prompts), size):
             group = prompts[start : start + size]
-            inputs = _left_pad([ids for _, _, ids, _ in group], pad_id)
+            inputs = left_padded([ids for _, _, ids, _ in group], pad_id)
             reference = None
             for repeat in range(args.repeats):
                 for method, kwargs in methods.items():
-                    timer.reset()
-                    begin = time.perf_counter()
-                    out = model.generate(**inputs, **common, **kwargs, **own_memory(kwargs, f"{size}-{repeat}"))
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    seconds = time.perf_counter() - begin
+                    out, seconds = timer.generate(
+                        **inputs, **common, **kwargs, **own_memory(kwargs, f"{size}-{repeat}")
+                    )
                     reference = out if reference is None else reference
                     generated = out[:, inputs["input_ids"].shape[1] :]
                     runs.append(

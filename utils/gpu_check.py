@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tests.utils import random_prompt, tiny_model  # noqa: E402
 from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
 from transformers_lookahead.compatibility import compile_config  # noqa: E402
 from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
+from utils.tiny_models import random_prompt, tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
 NEW_TOKENS = 48

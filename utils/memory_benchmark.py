@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 import tracemalloc
 import zlib
 from collections import defaultdict
@@ -103,7 +102,7 @@ def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
         model.generate(warm, max_new_tokens=16, do_sample=False, **kwargs, **own_memory(kwargs, "warm-up"))
     generations = len(MEMORY_METHODS) * (2 * len(humaneval) + 2 * len(conversations) + len(edits)) * args.repeats
     progress = tqdm(total=generations, desc="memory workloads", unit="gen")
-    runner = _Runner(model, timer, progress, args.max_new_tokens)
+    runner = _Runner(timer, progress, args.max_new_tokens)
     memory_sizes, documents = [], []
     for repeat in range(args.repeats):
         runner.repeat, runner.namespace = repeat, f"repeat-{repeat}"
@@ -140,8 +139,9 @@ def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
 class _Runner:
     """Runs one prompt with every method in turn (the order rotated per prompt) and records the runs."""
 
-    def __init__(self, model, timer, progress, max_new_tokens: int):
-        self.model, self.timer, self.progress, self.max_new_tokens = model, timer, progress, max_new_tokens
+    def __init__(self, timer, progress, max_new_tokens: int):
+        # The timer runs the model (`ForwardTimer.generate`).
+        self.timer, self.progress, self.max_new_tokens = timer, progress, max_new_tokens
         self.runs: list[MemoryRun] = []
         self.repeat, self.namespace = 0, ""
 
@@ -156,10 +156,7 @@ class _Runner:
             if sampled:
                 common["temperature"] = SAMPLED_TEMPERATURE
                 torch.manual_seed(zlib.crc32(prompt_id.encode()) + self.repeat)
-            self.timer.reset()
-            start = time.perf_counter()
-            outputs[name] = self.model.generate(ids, **common, **kwargs, **own_memory(kwargs, self.namespace))
-            seconds = time.perf_counter() - start
+            outputs[name], seconds = self.timer.generate(ids, **common, **kwargs, **own_memory(kwargs, self.namespace))
             new_tokens = outputs[name].shape[1] - ids.shape[1]
             self.runs.append(
                 MemoryRun(

@@ -9,7 +9,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.test_model_registry import BACKENDS, CACHES, DOCUMENT, ENCODER_DECODERS, EXACT, REGISTRY  # noqa: E402
-from tests.utils import TINY_CONFIGS  # noqa: E402
+from utils.tiny_models import TINY_CONFIGS  # noqa: E402
 
 
 def _cell(expected: str) -> str:

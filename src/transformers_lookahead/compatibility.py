@@ -9,11 +9,9 @@ module, so that a Transformers release that renames or changes one of them break
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,10 +47,6 @@ TORCH_REQUIREMENT = (">=2.4",)
 
 # Cache layer classes whose `crop` puts them back as they were before a step (see `CacheCommitter`).
 ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)
-
-# Extra static-cache room the current `generate` call needs for its lookahead steps. A context variable, not an
-# attribute of the model: each thread (each server worker) and each call sees its own value.
-_STEP_ROOM: contextvars.ContextVar[int] = contextvars.ContextVar("lookahead_step_room", default=0)
 
 
 def prefill(
@@ -200,42 +194,6 @@ def is_from_model_config(generation_config: GenerationConfig) -> bool:
     return bool(getattr(generation_config, "_from_model_config", False))
 
 
-@contextlib.contextmanager
-def step_room(tokens: int) -> Iterator[None]:
-    """
-    Within this block, static caches that `generate` builds get `tokens` more entries than plain decoding needs
-    (see `prepare_cache_with_step_room`). Scoped to the current thread and call.
-    """
-    token = _STEP_ROOM.set(tokens)
-    try:
-        yield
-    finally:
-        _STEP_ROOM.reset(token)
-
-
-def prepare_cache_with_step_room(
-    self: PreTrainedModel,
-    generation_config: GenerationConfig,
-    model_kwargs: dict,
-    generation_mode: Any,
-    batch_size: int,
-    max_cache_length: int,
-) -> Any:
-    """
-    `GenerationMixin._prepare_cache_for_generation` for `LookaheadGenerationMixin`: a lookahead step writes a whole
-    step past the accepted tokens before rolling back, so a static cache built for the call gets that much room
-    beyond what plain decoding needs (`step_room`).
-    """
-    parent = super(_lookahead_mixin(), self)._prepare_cache_for_generation
-    return parent(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length + _STEP_ROOM.get())
-
-
-def _lookahead_mixin() -> type:
-    from .generation_mixin import LookaheadGenerationMixin
-
-    return LookaheadGenerationMixin
-
-
 def check_private_apis() -> list[str]:
     """
     What of the above no longer matches the installed Transformers: one sentence per API that moved, empty when all
@@ -254,12 +212,6 @@ def check_private_apis() -> list[str]:
         parameters(getattr(GenerationMixin, "_prefill", None))[:4]
         == ["self", "input_ids", "generation_config", "model_kwargs"],
         "`GenerationMixin._prefill(self, input_ids, generation_config, model_kwargs)` (used by `prefill`)",
-    )
-    expect(
-        parameters(getattr(GenerationMixin, "_prepare_cache_for_generation", None))
-        == ["self", "generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"],
-        "`GenerationMixin._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, "
-        "batch_size, max_cache_length)` (overridden by `prepare_cache_with_step_room`)",
     )
     expect(
         parameters(getattr(GenerationMixin, "_valid_auto_compile_criteria", None))

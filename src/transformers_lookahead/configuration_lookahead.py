@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .auto_tuning import AUTO_TUNING
 from .compatibility import attention_implementation
 
 if TYPE_CHECKING:
@@ -38,20 +39,9 @@ DEFAULT_NGRAM = 5
 AUTO = "auto"
 # `lookahead_window="off"` turns lookahead off for a call even where the model's generation config turns it on.
 OFF = "off"
-# What "auto" means for the n-gram size and the pool size: the adaptive policy prunes the candidates of every step
-# to those worth their cost, so the pool can be generous.
-AUTO_NGRAM = 5
-AUTO_GUESS = 8
-# The longest continuation "auto" copies from the context (prompt lookup) into the candidate tree.
-AUTO_CONTEXT_DEPTH = 8
-# The largest window "auto" considers.
-AUTO_MAX_WINDOW = 16
-# The suffix memory (see `SuffixMemory`): tokens kept per namespace (0.4-0.75 KiB each in Python objects), the
-# deepest continuation it proposes, and the most tree nodes it adds to one step.
+# The suffix memory (see `SuffixMemory`): tokens kept per namespace (0.4-0.75 KiB each in Python objects).
 DEFAULT_MEMORY_SIZE = 65536
 DEFAULT_MEMORY_NAMESPACE = "default"
-MEMORY_DEPTH = 16
-MEMORY_NODES = 32
 # Upper bounds, checked before any compute, so that no call (or server request) can ask for a step or a memory the
 # machine cannot hold: a window of 20,000 with N=5 would be a step of ~80,000 tokens and a float mask of ~25 GB.
 # The paper's largest settings (W=15, N=5, G=15 on an A100) fit well inside them.
@@ -117,10 +107,10 @@ class LookaheadConfig:
         if self.window != AUTO:
             _check_int("lookahead_window", self.window, 1, MAX_WINDOW, also=f'"{AUTO}", or "{OFF}" to turn it off')
         if self.ngram == AUTO:
-            object.__setattr__(self, "ngram", AUTO_NGRAM)
+            object.__setattr__(self, "ngram", AUTO_TUNING.ngram)
         _check_int("lookahead_ngram", self.ngram, 2, MAX_NGRAM)
         if self.guess == AUTO or (self.guess is None and self.window == AUTO):
-            object.__setattr__(self, "guess", AUTO_GUESS)
+            object.__setattr__(self, "guess", AUTO_TUNING.guess)
         elif self.guess is None:
             object.__setattr__(self, "guess", self.window)
         _check_int("lookahead_guess", self.guess, 0, MAX_GUESS)
@@ -174,10 +164,11 @@ class LookaheadConfig:
         Args:
             window (`int`, *optional*): the window width in use; by default `window`, or the widest `"auto"` picks.
         """
-        window = window if window is not None else (AUTO_MAX_WINDOW if self.adaptive else self.window)
-        context = AUTO_CONTEXT_DEPTH if self.adaptive else 0
-        memory = MEMORY_NODES if self.memory else 0
-        pending = 1 if self.cache_commit == "gather" else self.levels + 1 + max(context, MEMORY_DEPTH if memory else 0)
+        window = window if window is not None else (AUTO_TUNING.max_window if self.adaptive else self.window)
+        context = AUTO_TUNING.context_depth if self.adaptive else 0
+        memory = AUTO_TUNING.memory_nodes if self.memory else 0
+        deepest = max(context, AUTO_TUNING.memory_depth if memory else 0)
+        pending = 1 if self.cache_commit == "gather" else self.levels + 1 + deepest
         return pending + window * self.levels + self.guess * self.levels + context + memory
 
     @classmethod

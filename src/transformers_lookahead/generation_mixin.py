@@ -6,29 +6,29 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .compatibility import is_from_model_config, mark_as_user_config, prepare_cache_with_step_room, step_room
+from .compatibility import is_from_model_config, mark_as_user_config
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation
 from .lookahead_decoding import generate as lookahead_generate
 from .lookahead_state import LookaheadState
 
 if TYPE_CHECKING:
     import torch
-    from transformers import GenerationConfig
 
 
 class LookaheadGenerationMixin:
     """
-    Adds lookahead decoding to `generate`.
+    Adds lookahead decoding to the `generate` of a model class: `class MyModel(LookaheadGenerationMixin,
+    LlamaForCausalLM)`, as `GenerationMixin` adds `generate` to Transformers' models.
 
     With `lookahead_window` set (as a `generate` argument, in the `generation_config` passed to it, or in the model's
     own `generation_config`), `generate` prepares its inputs as usual and then decodes with
-    `transformers_lookahead.generate`. Without it, `generate` is untouched.
+    `transformers_lookahead.generate`. Without it, `generate` is untouched. `save_pretrained` keeps the `lookahead_*`
+    fields of the model's generation config.
 
-    Use `enable_lookahead(model)` to put this mixin in front of a loaded model's class; it also gives the model its
-    `lookahead_state` (a `LookaheadState`), where `"auto"` keeps what it learns across calls.
+    For a model that is already loaded, `enable_lookahead(model)` gives its `generate` the same behaviour.
     """
 
     lookahead_state: LookaheadState
@@ -37,9 +37,6 @@ class LookaheadGenerationMixin:
         self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
     ):
         return generate_with_lookahead(self, inputs, generation_config, **kwargs)
-
-    # Static caches that `generate` builds for a lookahead call get one step of extra room.
-    _prepare_cache_for_generation = prepare_cache_with_step_room
 
     def save_pretrained(self, *args: Any, **kwargs: Any):
         # `GenerationConfig.from_pretrained` drops custom fields from configs flagged as derived from the model
@@ -94,6 +91,7 @@ def generate_with_lookahead(
         if cache_implementation is None and source is not None:
             cache_implementation = getattr(source, "cache_implementation", None)
     check_cache_implementation(cache_implementation)
+    _reserve_static_cache_room(model, inputs, generation_config, kwargs, config.max_step_length())
     _bind_stop_strings(model, generation_config, kwargs)
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
     # streamer and the assistant travel bound to the callable.
@@ -104,10 +102,9 @@ def generate_with_lookahead(
         lookahead_streamer=kwargs.pop("streamer", None),
         lookahead_assistant_model=kwargs.pop("assistant_model", None),
     )
-    with step_room(config.max_step_length()):
-        return _class_generate(model)(
-            *inputs_argument, generation_config=generation_config, custom_generate=decoding, **kwargs
-        )
+    return _class_generate(model)(
+        *inputs_argument, generation_config=generation_config, custom_generate=decoding, **kwargs
+    )
 
 
 def _class_generate(model: PreTrainedModel) -> Callable[..., Any]:
@@ -122,6 +119,39 @@ def _class_generate(model: PreTrainedModel) -> Callable[..., Any]:
     if issubclass(cls, LookaheadGenerationMixin):
         return super(LookaheadGenerationMixin, model).generate
     return cls.generate.__get__(model, cls)
+
+
+def _reserve_static_cache_room(
+    model: PreTrainedModel,
+    inputs: torch.Tensor | None,
+    generation_config: GenerationConfig | None,
+    kwargs: dict,
+    room: int,
+) -> None:
+    """
+    Asks a static cache that `generate` builds for `room` more entries than plain decoding needs (`max_length - 1`):
+    a lookahead step writes a whole step past the accepted tokens before rolling back. `max_cache_len` is a floor
+    `generate` honours. Where the decoder's prompt length is not known before `generate` (encoder-decoder models),
+    nothing is asked, and steps near the end of the cache are shrunk to what fits.
+    """
+
+    def setting(name: str) -> Any:
+        for source in (kwargs, generation_config, model.generation_config):
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if value is not None:
+                return value
+        return None
+
+    if setting("cache_implementation") != "static" or model.config.is_encoder_decoder:
+        return
+    if setting("max_new_tokens") is not None:
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if input_ids is None or input_ids.dim() != 2:
+            return
+        max_length = input_ids.shape[-1] + setting("max_new_tokens")
+    else:
+        max_length = setting("max_length") or GenerationConfig().max_length
+    kwargs["max_cache_len"] = max(setting("max_cache_len") or 0, max_length - 1 + room)
 
 
 def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> None:
@@ -147,22 +177,15 @@ def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConf
     kwargs["stop_strings"] = None
 
 
-@functools.cache
-def _lookahead_class(cls: type) -> type:
-    """The subclass of `cls` with `LookaheadGenerationMixin` in front, made once per class."""
-    return type(
-        cls.__name__, (LookaheadGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    )
-
-
 def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None) -> PreTrainedModel:
     """
-    Gives `model` lookahead decoding: its class becomes a subclass with `LookaheadGenerationMixin` in front, and it
-    gets a `lookahead_state` where `"auto"` keeps what it learns across calls.
+    Gives a loaded model lookahead decoding: its `generate` decodes with lookahead whenever a `lookahead_window` is
+    set (in the call, the call's generation config or the model's), as `LookaheadGenerationMixin` does for a class.
+    It is bound the way Transformers binds the `generate` of a model folder's `custom_generate/`
+    (`model.generate = functools.partial(...)`): the model's class, and what `save_pretrained` writes, stay as they
+    were. The model also gets a `lookahead_state` where `"auto"` keeps what it learns across calls.
 
-    Only this object changes; its class keeps its name, so `save_pretrained` still writes the original architecture
-    and the saved model loads with stock Transformers. Calling it again keeps the model's state unless `state` is
-    given.
+    Calling it again keeps the model's state unless `state` is given.
 
     Args:
         model (`PreTrainedModel`): a loaded generative model.
@@ -176,9 +199,14 @@ def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None
         raise TypeError(f"enable_lookahead expects a generative `PreTrainedModel`, got {type(model).__name__}.")
     if state is not None and not isinstance(state, LookaheadState):
         raise TypeError(f"`state` must be a `LookaheadState`, got {type(state).__name__}.")
-    cls = type(model)
-    if not issubclass(cls, LookaheadGenerationMixin):
-        model.__class__ = _lookahead_class(cls)
+    if not is_lookahead_enabled(model) and not isinstance(model, LookaheadGenerationMixin):
+        model.generate = functools.partial(generate_with_lookahead, model)
     if state is not None or getattr(model, "lookahead_state", None) is None:
         model.lookahead_state = state or LookaheadState()
     return model
+
+
+def is_lookahead_enabled(model: PreTrainedModel) -> bool:
+    """Whether `enable_lookahead` bound the model's `generate`."""
+    bound = vars(model).get("generate")
+    return isinstance(bound, functools.partial) and bound.func is generate_with_lookahead

@@ -10,13 +10,10 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from .auto_tuning import AUTO_TUNING
 from .cache_commit import CacheCommitter
 from .compatibility import can_auto_compile, pad_token_id, prefill, processors_for_row
 from .configuration_lookahead import (
-    AUTO_CONTEXT_DEPTH,
-    AUTO_MAX_WINDOW,
-    MEMORY_DEPTH,
-    MEMORY_NODES,
     LookaheadConfig,
     validate_lookahead_setup,
 )
@@ -44,9 +41,6 @@ if TYPE_CHECKING:
 
 # Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
 DEFAULT_WINDOW = "auto"
-# With a compiled forward pass and `"auto"`, the fixed length of multi-token steps costs at most this many one-token
-# steps. Measured on SmolLM2 on a 2-core CPU: 2.0 (16 tokens) lost on open-ended prompts, see the guide.
-COMPILED_STEP_COST = 1.7
 
 
 @dataclass
@@ -364,7 +358,7 @@ class LookaheadDecoder:
                 self.cost = self.sync.agree(self.cost)
             # Computed once: every row's policy starts from the cost of a step of the whole batch.
             self.batch_cost = self.cost.for_batch(batch_size)
-            self.window_size = choose_window(self.batch_cost, config.levels, AUTO_MAX_WINDOW)
+            self.window_size = choose_window(self.batch_cost, config.levels, AUTO_TUNING.max_window)
         else:
             self.window_size = config.window
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
@@ -495,9 +489,9 @@ class LookaheadDecoder:
                 self.batch_cost,
                 self.window_size * config.levels,
                 config.levels,
-                context_depth=AUTO_CONTEXT_DEPTH,
+                context_depth=AUTO_TUNING.context_depth,
                 memory_match=self.memory.max_match if self.memory is not None else 0,
-                memory_depth=MEMORY_DEPTH,
+                memory_depth=AUTO_TUNING.memory_depth,
             )
             learnt = self._carried_estimates(self._estimates_key(policy))
             if learnt is not None:
@@ -570,12 +564,13 @@ class LookaheadDecoder:
         tree = sequence.pool.tree(tokens[-1], depth)
         if sequence.context is not None:
             sequence.context.update(tokens)
-            room = min(AUTO_CONTEXT_DEPTH, sequence.limit - sequence.length - 1, position_room)
+            room = min(AUTO_TUNING.context_depth, sequence.limit - sequence.length - 1, position_room)
             tree.add_path(sequence.context.continuation(tokens, room))
         if self.memory is not None:
-            match = self.memory.match(tokens, min(MEMORY_DEPTH, sequence.limit - sequence.length - 1, position_room))
+            depth_room = min(AUTO_TUNING.memory_depth, sequence.limit - sequence.length - 1, position_room)
+            match = self.memory.match(tokens, depth_room)
             if match is not None:
-                tree.add_memory(match, MEMORY_NODES)
+                tree.add_memory(match, AUTO_TUNING.memory_nodes)
         return sequence.policy.offer(tree, window_allowed, sequence.pending.shape[0])
 
     def _accept(self, plan: StepPlan, logits: torch.Tensor, streamer: BaseStreamer | None) -> tuple[Verdict, int]:
@@ -696,9 +691,11 @@ class LookaheadDecoder:
             self.fixed_length = longest
             return
         # Every multi-token step now costs the fixed length, whatever it verifies: take the widest step this device
-        # runs for at most `COMPILED_STEP_COST` one-token steps (on a GPU: about all of it; 8 tokens on a 2-core CPU).
+        # runs for at most `compiled_step_cost` one-token steps (on a GPU: about all of it; 8 tokens on a 2-core CPU).
         affordable = [
-            length for length in COST_GRID if 4 <= length <= longest and self.cost(length) <= COMPILED_STEP_COST
+            length
+            for length in COST_GRID
+            if 4 <= length <= longest and self.cost(length) <= AUTO_TUNING.compiled_step_cost
         ]
         self.fixed_length = max(affordable, default=min(4, longest))
 

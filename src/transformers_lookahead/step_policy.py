@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .auto_tuning import AUTO_TUNING
 from .cost_model import StepCostModel
 from .ngram_pool import NGramPool, TokenTree
 from .verification import Verdict
 
 
-def choose_window(cost: StepCostModel, levels: int, max_window: int, budget: float = 1.25) -> int:
+def choose_window(
+    cost: StepCostModel, levels: int, max_window: int, budget: float = AUTO_TUNING.window_cost_budget
+) -> int:
     """
     The window `lookahead_window="auto"` uses: the widest one (up to `max_window`) that makes a step carrying one
     candidate path cost at most `budget` times that step without the window. Wide on a GPU, narrow on a CPU.
@@ -249,14 +252,14 @@ class AdaptiveStepPolicy:
         cost: StepCostModel,
         window_length: int,
         levels: int,
-        decay: float = 0.9,
-        probe_every: int = 32,
-        max_probe_every: int = 256,
+        decay: float = AUTO_TUNING.decay,
+        probe_every: int = AUTO_TUNING.probe_every,
+        max_probe_every: int = AUTO_TUNING.max_probe_every,
         context_depth: int = 0,
         memory_match: int = 0,
         memory_depth: int = 0,
-        calibration_decay: float = 0.95,
-        calibration_prior: float = 1.0,
+        calibration_decay: float = AUTO_TUNING.calibration_decay,
+        calibration_prior: float = AUTO_TUNING.calibration_prior,
     ):
         self.cost = cost
         self.window_length = window_length
@@ -264,10 +267,13 @@ class AdaptiveStepPolicy:
         self.probe_every = probe_every
         self.max_probe_every = max(max_probe_every, probe_every)
         self._probe_wait = probe_every
-        self.match_rate = [0.3] * (levels + 1)
-        self.context_rate = [0.5] * (context_depth + 1)
-        self.memory_rate = [[0.5] * (memory_depth + 1) for _ in range(memory_match + 1)] if memory_match else []
-        self._window_credit, self._window_steps = 0.5, 1.0
+        tuning = AUTO_TUNING
+        self.match_rate = [tuning.match_prior] * (levels + 1)
+        self.context_rate = [tuning.context_prior] * (context_depth + 1)
+        self.memory_rate = (
+            [[tuning.memory_prior] * (memory_depth + 1) for _ in range(memory_match + 1)] if memory_match else []
+        )
+        self._window_credit, self._window_steps = tuning.window_credit_prior, tuning.window_steps_prior
         self.calibration_decay = calibration_decay
         self.calibration_prior = calibration_prior
         self._predicted, self._realized = 0.0, 0.0
@@ -329,10 +335,12 @@ class AdaptiveStepPolicy:
         """
         if length == 1:
             previous = self._single_token_seconds
-            self._single_token_seconds = seconds if previous is None else previous + 0.2 * (seconds - previous)
+            smoothing = AUTO_TUNING.duration_smoothing
+            self._single_token_seconds = seconds if previous is None else previous + smoothing * (seconds - previous)
         elif self._single_token_seconds is not None and self.cost(length) > 1.0:
             measured = (seconds / self._single_token_seconds - 1.0) / (self.cost(length) - 1.0)
-            self._excess_scale += 0.2 * (min(max(measured, 0.25), 4.0) - self._excess_scale)
+            low, high = AUTO_TUNING.excess_scale_range
+            self._excess_scale += AUTO_TUNING.duration_smoothing * (min(max(measured, low), high) - self._excess_scale)
 
     def _learn_matches(self, tree: TokenTree, continuation: list[int]) -> None:
         node = -1
