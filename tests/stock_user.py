@@ -1,5 +1,5 @@
 """
-What a Hub user runs, in a venv with stock torch and Transformers only (see `stock_venv.py`): plain greedy, then the
+What a Hub user runs, in a venv with stock torch and Transformers only (see `utils/stock_venv.py`): plain greedy, then the
 lookahead strategy through a `custom_generate` repository or a model folder, and what each did.
 
     python stock_user.py '{"model": DIR, "route": "custom_generate", "repo": DIR, "prompts": [[1, 2]], ...}'

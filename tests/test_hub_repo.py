@@ -25,9 +25,10 @@ from transformers_lookahead.lookahead_state import MEMORY_DIR_VARIABLE
 from transformers_lookahead.model_folder import ENTRY_MODULE, PACKAGE_DIR, custom_generate_files
 from utils.build_hub_repo import build_hub_repo
 from utils.serving import ServeProcess, lookahead_folder
+from utils.stock_venv import run_in_stock_venv, stock_python
 
-from .stock_venv import run_as_stock_user, stock_python
-
+# Runs in the stock venv as a Hub user would.
+STOCK_USER = Path(__file__).with_name("stock_user.py")
 # What the folder's code may import besides itself: the standard library, and what its requirements name (with
 # safetensors, a Transformers dependency, and starlette, imported only where it is installed).
 ALLOWED_IMPORTS = set(sys.stdlib_module_names) | {"torch", "transformers", "safetensors", "starlette"}
@@ -160,10 +161,10 @@ class StockTransformersTest(unittest.TestCase):
         }
 
     def test_custom_generate_repo_with_call_settings(self):
-        self._check(run_as_stock_user(self._job("custom_generate")))
+        self._check(run_in_stock_venv(STOCK_USER, self._job("custom_generate")))
 
     def test_model_folder_route(self):
-        self._check(run_as_stock_user(self._job("model_folder")))
+        self._check(run_in_stock_venv(STOCK_USER, self._job("model_folder")))
 
     def test_served_model_folder_with_two_clients(self):
         import openai

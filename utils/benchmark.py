@@ -21,7 +21,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Run as a script (`python utils/benchmark.py`), the repository root is not on the path: the benchmark shares the
@@ -50,6 +49,7 @@ from utils.memory_benchmark import (  # noqa: E402
     summarize_memory,
 )
 from utils.plotting import grouped_bars  # noqa: E402
+from utils.timing import ForwardTimer, Run  # noqa: E402
 from utils.tiny_models import left_padded  # noqa: E402
 
 # name -> generate() keyword arguments
@@ -93,58 +93,6 @@ SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
 # The category of every `--whisper` prompt.
 SPEECH = "speech (whisper)"
 SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
-
-
-@dataclass
-class Run:
-    """One generation of one prompt by one method."""
-
-    prompt_id: str
-    category: str
-    method: str
-    repeat: int
-    new_tokens: int
-    seconds: float
-    forward_seconds: float
-    forward_passes: int
-    identical_to_greedy: bool
-
-
-class ForwardTimer:
-    """Counts the model's forward passes and their time, through module hooks (for every method alike)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.reset()
-        model.register_forward_pre_hook(self._start)
-        model.register_forward_hook(self._stop)
-
-    def reset(self):
-        self.calls, self.seconds, self._began = 0, 0.0, 0.0
-
-    def generate(self, *args, **kwargs):
-        """
-        `model.generate(*args, **kwargs)` timed end to end, the device synchronised, with this timer's counts reset
-        first (so `calls` and `seconds` are that call's): returns the output and the wall seconds.
-        """
-        self.reset()
-        start = time.perf_counter()
-        out = self.model.generate(*args, **kwargs)
-        self._sync()
-        return out, time.perf_counter() - start
-
-    def _sync(self):
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-
-    def _start(self, module, args):
-        self._sync()
-        self._began = time.perf_counter()
-
-    def _stop(self, module, args, output):
-        self._sync()
-        self.calls += 1
-        self.seconds += time.perf_counter() - self._began
 
 
 def _environment(args, device) -> dict:
@@ -273,7 +221,7 @@ def run_benchmark(args) -> dict:
     )
     return {
         "environment": _environment(args, device),
-        "runs": [asdict(r) for r in runs],
+        "runs": [run.record() for run in runs],
         "window_sweep": sweep,
         "warmup_seconds": warmup_seconds,
     }
@@ -429,16 +377,17 @@ def run_sampling_benchmark(args) -> dict:
                         **own_memory(kwargs, f"{temperature}-{repeat}"),
                     )
                     runs.append(
-                        {
-                            "prompt_id": prompt_id,
-                            "category": category,
-                            "method": method,
-                            "temperature": temperature,
-                            "repeat": repeat,
-                            "new_tokens": out.shape[1] - ids.shape[1],
-                            "seconds": seconds,
-                            "forward_passes": timer.calls,
-                        }
+                        Run(
+                            prompt_id=prompt_id,
+                            category=category,
+                            method=method,
+                            temperature=temperature,
+                            repeat=repeat,
+                            new_tokens=out.shape[1] - ids.shape[1],
+                            seconds=seconds,
+                            forward_seconds=timer.seconds,
+                            forward_passes=timer.calls,
+                        ).record()
                     )
                     progress.update()
     progress.close()
@@ -575,18 +524,19 @@ def run_batched_benchmark(args) -> dict:
                     reference = out if reference is None else reference
                     generated = out[:, inputs["input_ids"].shape[1] :]
                     runs.append(
-                        {
-                            "batch_size": size,
-                            "batch": start // size,
-                            "method": method,
-                            "repeat": repeat,
+                        Run(
+                            prompt_id=None,
+                            batch_size=size,
+                            batch=start // size,
+                            method=method,
+                            repeat=repeat,
                             # Padding after a row's EOS is not a generated token.
-                            "new_tokens": int(_generated_lengths(generated, tokenizer.eos_token_id).sum()),
-                            "seconds": seconds,
-                            "forward_seconds": timer.seconds,
-                            "forward_passes": timer.calls,
-                            "identical_to_greedy": bool(torch.equal(out, reference)),
-                        }
+                            new_tokens=int(_generated_lengths(generated, tokenizer.eos_token_id).sum()),
+                            seconds=seconds,
+                            forward_seconds=timer.seconds,
+                            forward_passes=timer.calls,
+                            identical_to_greedy=bool(torch.equal(out, reference)),
+                        ).record()
                     )
                     progress.update()
     progress.close()

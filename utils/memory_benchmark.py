@@ -20,7 +20,6 @@ import statistics
 import tracemalloc
 import zlib
 from collections import defaultdict
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -28,6 +27,7 @@ from transformers_lookahead import LookaheadState
 from transformers_lookahead.suffix_memory import SuffixMemory, vocabulary_key
 from utils.assets import chat_input_ids, humaneval_problems, mtbench_questions, tuning_prompts
 from utils.plotting import grouped_bars
+from utils.timing import Run
 
 MEMORY_METHODS = {
     "greedy": {},
@@ -42,21 +42,6 @@ EDITS = (
     "Rename the variable `{old}` to `{new}` in this function.",
     "Add a short comment above each line of this function.",
 )
-
-
-@dataclass
-class MemoryRun:
-    """One generation of one prompt of one workload by one method."""
-
-    workload: str
-    prompt_id: str
-    method: str
-    repeat: int
-    new_tokens: int
-    seconds: float
-    forward_seconds: float
-    forward_passes: int
-    identical_to_greedy: bool | None = None
 
 
 def chat_ids(tokenizer, messages: list[dict], device) -> torch.LongTensor:
@@ -129,7 +114,7 @@ def run_memory_benchmark(args, model, tokenizer, device, timer) -> dict:
     progress.close()
     costs = model.lookahead_state.cost_model(model)
     return {
-        "runs": [asdict(r) for r in runner.runs],
+        "runs": [run.record() for run in runner.runs],
         "memory": memory_sizes,
         "memory_bytes": _measured_bytes(model, documents),
         "step_costs": dict(zip(costs.lengths, costs.costs)),
@@ -142,7 +127,7 @@ class _Runner:
     def __init__(self, timer, progress, max_new_tokens: int):
         # The timer runs the model (`ForwardTimer.generate`).
         self.timer, self.progress, self.max_new_tokens = timer, progress, max_new_tokens
-        self.runs: list[MemoryRun] = []
+        self.runs: list[Run] = []
         self.repeat, self.namespace = 0, ""
 
     def run(self, workload: str, prompt_id: str, ids: torch.LongTensor, sampled: bool) -> torch.LongTensor:
@@ -159,8 +144,15 @@ class _Runner:
             outputs[name], seconds = self.timer.generate(ids, **common, **kwargs, **own_memory(kwargs, self.namespace))
             new_tokens = outputs[name].shape[1] - ids.shape[1]
             self.runs.append(
-                MemoryRun(
-                    workload, prompt_id, name, self.repeat, new_tokens, seconds, self.timer.seconds, self.timer.calls
+                Run(
+                    workload=workload,
+                    prompt_id=prompt_id,
+                    method=name,
+                    repeat=self.repeat,
+                    new_tokens=new_tokens,
+                    seconds=seconds,
+                    forward_seconds=self.timer.seconds,
+                    forward_passes=self.timer.calls,
                 )
             )
             self.progress.update()

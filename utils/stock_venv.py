@@ -1,6 +1,7 @@
 """
 A virtual environment holding stock torch and Transformers (with Transformers' serving extras) and nothing of ours:
-where a Hub user runs the strategy. Built once per pin set and kept under the assets' cache directory.
+where a Hub user runs the strategy. Built once per pin set and kept under the assets' cache directory; used by
+`tests/test_hub_repo.py` and `utils/hub_benchmark.py`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from utils.assets import default_cache_dir  # noqa: E402
-
-# Runs in the stock venv; reads one JSON job from argv and prints one JSON line of results.
-STOCK_USER = Path(__file__).with_name("stock_user.py")
 
 
 def stock_pins() -> list[str]:
@@ -55,12 +52,15 @@ def stock_python(timeout: float = 900) -> Path:
     return python
 
 
-def run_as_stock_user(job: dict, timeout: float = 600) -> dict:
-    """Runs `stock_user.py` with `job` in the stock venv, from an empty folder, and returns what it printed."""
+def run_in_stock_venv(script: Path, job: dict, timeout: float = 600) -> dict:
+    """
+    Runs `script` with `job` (as one JSON argument) in the stock venv, from an empty folder so that nothing of this
+    repository is importable, and returns the JSON of the last line it printed.
+    """
     python = stock_python()
     with tempfile.TemporaryDirectory() as empty:
         result = subprocess.run(
-            [str(python), str(STOCK_USER), json.dumps(job)],
+            [str(python), str(script), json.dumps(job)],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -68,5 +68,5 @@ def run_as_stock_user(job: dict, timeout: float = 600) -> dict:
             check=False,
         )
     if result.returncode != 0:
-        raise AssertionError(f"stock user failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"{script.name} failed in the stock venv ({result.returncode}):\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

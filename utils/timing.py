@@ -1,0 +1,72 @@
+"""How the benchmarks time a generation and what they record of it: one timer, one record shape."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Run:
+    """
+    One generation of one prompt (or one batch) by one method. The fields after `identical_to_greedy` say where the
+    run belongs, for the benchmarks that have it; a record (`record`) leaves out the ones a benchmark does not set.
+    """
+
+    prompt_id: str | None
+    method: str
+    repeat: int
+    new_tokens: int
+    seconds: float
+    forward_seconds: float
+    forward_passes: int
+    identical_to_greedy: bool | None = None
+    category: str | None = None
+    temperature: float | None = None
+    batch_size: int | None = None
+    batch: int | None = None
+    workload: str | None = None
+
+    def record(self) -> dict:
+        """The run as the JSON files hold it."""
+        optional = ("prompt_id", "category", "temperature", "batch_size", "batch", "workload")
+        return {key: value for key, value in asdict(self).items() if value is not None or key not in optional}
+
+
+class ForwardTimer:
+    """Counts the model's forward passes and their time, through module hooks (for every method alike)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.reset()
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._stop)
+
+    def reset(self):
+        self.calls, self.seconds, self._began = 0, 0.0, 0.0
+
+    def generate(self, *args, **kwargs):
+        """
+        `model.generate(*args, **kwargs)` timed end to end, the device synchronised, with this timer's counts reset
+        first (so `calls` and `seconds` are that call's): returns the output and the wall seconds.
+        """
+        self.reset()
+        start = time.perf_counter()
+        out = self.model.generate(*args, **kwargs)
+        self._sync()
+        return out, time.perf_counter() - start
+
+    def _sync(self):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _start(self, module, args):
+        self._sync()
+        self._began = time.perf_counter()
+
+    def _stop(self, module, args, output):
+        self._sync()
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._began
