@@ -19,6 +19,7 @@ from utils.benchmark import (
 )
 from utils.faithfulness import (
     DEPARTURE_METHODS,
+    _step_offset,
     first_departure,
     format_departures_table,
     run_departures,
@@ -259,6 +260,10 @@ class DeparturesTest(unittest.TestCase):
         self.assertEqual(first_departure([1, 5, 3], [1, 2, 3]), 1)
         self.assertEqual(first_departure([1, 2], [1, 2, 3]), 2, "stopping early is a departure")
 
+    def test_where_a_token_sits_in_its_step(self):
+        steps = (1, 3, 2)  # after the prefill's token 0: [1], [2, 3, 4], [5, 6]
+        self.assertEqual([_step_offset(steps, position) for position in range(7)], [None, 0, 0, 1, 2, 0, 1])
+
     def test_nothing_departs_in_fp32_and_a_changed_method_does(self):
         model = enable_lookahead(tiny_model("llama"))
         tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
@@ -275,4 +280,9 @@ class DeparturesTest(unittest.TestCase):
         changed = {**DEPARTURE_METHODS, "lookahead_auto": {"lookahead_window": 4, "repetition_penalty": 5.0}}
         with mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", changed):
             result = run_departures(args, model, tokenizer, prompts)
-        self.assertGreater(summarize_departures(result)[2]["departed"], 0)
+        changed_row = summarize_departures(result)[2]
+        self.assertGreater(changed_row["departed"], 0)
+        self.assertIsInstance(changed_row["median_margin_at_departure"], float, "plain greedy's margin there")
+        self.assertRegex(
+            changed_row["first_of_step"], r"^\d+ / \d+$", "where in its step the departing token was chosen"
+        )
