@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -188,13 +189,8 @@ class LookaheadConfig:
             default), or set to `"off"` by the highest-priority source that sets it (what turns a saved setting off
             for one call or one request).
         """
-        values = {}
-        for field in LOOKAHEAD_FIELDS:
-            for source in sources:
-                value = source.get(field) if isinstance(source, dict) else getattr(source, field, None)
-                if value is not None:
-                    values[field] = value
-                    break
+        values = {field: first_set(field, *sources) for field in LOOKAHEAD_FIELDS}
+        values = {field: value for field, value in values.items() if value is not None}
         window = values.get("lookahead_window", default_window)
         if isinstance(window, str) and window == OFF:
             return None
@@ -216,6 +212,19 @@ class LookaheadConfig:
             memory_size=values.get("lookahead_memory_size", DEFAULT_MEMORY_SIZE),
             memory_namespace=values.get("lookahead_memory_namespace", DEFAULT_MEMORY_NAMESPACE),
         )
+
+
+def first_set(name: str, *sources: Any) -> Any:
+    """
+    The value of `name` in the first of `sources` that sets it (`generate` keyword arguments as a mapping, generation
+    configs as objects, highest priority first; `None` counts as unset and is skipped, as is a `None` source), or
+    `None`.
+    """
+    for source in sources:
+        value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int, also: str | None = f'"{AUTO}"') -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .compatibility import is_from_model_config, mark_as_user_config
-from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation
+from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation, first_set
 from .lookahead_decoding import generate as lookahead_generate
 from .lookahead_state import LookaheadState
 
@@ -53,7 +53,7 @@ def generate_with_lookahead(
     model: PreTrainedModel,
     inputs: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,
-    defaults: dict[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ):
     """
@@ -63,7 +63,7 @@ def generate_with_lookahead(
         model (`PreTrainedModel`): a decoder-only model, or an encoder-decoder model whose decoder takes position ids.
         inputs (`torch.Tensor`, *optional*): as for `generate`.
         generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
-        defaults (`dict`, *optional*): `lookahead_*` values for the fields neither the call nor a generation config
+        defaults (`Mapping`, *optional*): `lookahead_*` values for the fields neither the call nor a generation config
             sets (the Hub entry point's `HUB_DEFAULTS`). Without a `lookahead_window` there, calls that set none are
             left to plain `generate`; a `lookahead_window="off"` always is.
         kwargs: the other `generate` arguments, `lookahead_*` ones included.
@@ -84,15 +84,13 @@ def generate_with_lookahead(
             "Lookahead decoding cannot be combined with `custom_generate`: both replace the decoding loop. "
             "Remove `custom_generate`, or the `lookahead_*` settings."
         )
+    # The call's settings as `generate` resolves them: its own arguments, its generation config, the model's.
+    sources = (kwargs, generation_config, getattr(model, "generation_config", None))
     # `generate` builds the cache before handing over, and fails on some caches (e.g. quantized ones without their
     # backend installed) with errors unrelated to lookahead: check the setting first.
-    cache_implementation = kwargs.get("cache_implementation")
-    for source in (generation_config, getattr(model, "generation_config", None)):
-        if cache_implementation is None and source is not None:
-            cache_implementation = getattr(source, "cache_implementation", None)
-    check_cache_implementation(cache_implementation)
-    _reserve_static_cache_room(model, inputs, generation_config, kwargs, config.max_step_length())
-    _bind_stop_strings(model, generation_config, kwargs)
+    check_cache_implementation(first_set("cache_implementation", *sources))
+    _reserve_static_cache_room(model, inputs, sources, kwargs, config.max_step_length())
+    _bind_stop_strings(first_set("stop_strings", *sources), kwargs)
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
     # streamer and the assistant travel bound to the callable.
     decoding = functools.partial(
@@ -122,51 +120,39 @@ def _class_generate(model: PreTrainedModel) -> Callable[..., Any]:
 
 
 def _reserve_static_cache_room(
-    model: PreTrainedModel,
-    inputs: torch.Tensor | None,
-    generation_config: GenerationConfig | None,
-    kwargs: dict,
-    room: int,
+    model: PreTrainedModel, inputs: torch.Tensor | None, sources: tuple, kwargs: dict, room: int
 ) -> None:
     """
     Asks a static cache that `generate` builds for `room` more entries than plain decoding needs (`max_length - 1`):
     a lookahead step writes a whole step past the accepted tokens before rolling back. `max_cache_len` is a floor
     `generate` honours. Where the decoder's prompt length is not known before `generate` (encoder-decoder models),
     nothing is asked, and steps near the end of the cache are shrunk to what fits.
+
+    Args:
+        sources (`tuple`): the call's keyword arguments and generation configs, highest priority first.
     """
-
-    def setting(name: str) -> Any:
-        for source in (kwargs, generation_config, model.generation_config):
-            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
-            if value is not None:
-                return value
-        return None
-
-    if setting("cache_implementation") != "static" or model.config.is_encoder_decoder:
+    if first_set("cache_implementation", *sources) != "static" or model.config.is_encoder_decoder:
         return
-    if setting("max_new_tokens") is not None:
+    max_new_tokens = first_set("max_new_tokens", *sources)
+    if max_new_tokens is not None:
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if input_ids is None or input_ids.dim() != 2:
             return
-        max_length = input_ids.shape[-1] + setting("max_new_tokens")
+        max_length = input_ids.shape[-1] + max_new_tokens
     else:
-        max_length = setting("max_length") or GenerationConfig().max_length
-    kwargs["max_cache_len"] = max(setting("max_cache_len") or 0, max_length - 1 + room)
+        max_length = first_set("max_length", *sources) or GenerationConfig().max_length
+    kwargs["max_cache_len"] = max(first_set("max_cache_len", *sources) or 0, max_length - 1 + room)
 
 
-def _bind_stop_strings(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> None:
+def _bind_stop_strings(stop_strings: str | list[str] | None, kwargs: dict) -> None:
     """
-    Turns `stop_strings` + `tokenizer` into a `StopStringCriteria` in `kwargs["stopping_criteria"]`.
+    Turns the call's `stop_strings` + `tokenizer` into a `StopStringCriteria` in `kwargs["stopping_criteria"]`.
 
     `generate` drops the `tokenizer` argument before building the stopping criteria of a `custom_generate`
     callable, and then refuses stop strings for lack of a tokenizer; the criterion built here is the one it would
     have built.
     """
     tokenizer = kwargs.pop("tokenizer", None)
-    stop_strings = kwargs.get("stop_strings")
-    for config in (generation_config, getattr(model, "generation_config", None)):
-        if stop_strings is None and config is not None:
-            stop_strings = getattr(config, "stop_strings", None)
     if not stop_strings or tokenizer is None:
         if tokenizer is not None:
             kwargs["tokenizer"] = tokenizer

@@ -9,6 +9,7 @@ and `transformers serve folder --trust-remote-code`, which does the latter.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from .configuration_lookahead import AUTO
@@ -27,7 +28,7 @@ except ImportError:  # pragma: no cover - plain Python use
 # memory is off: one loaded model may answer many users (a server), and a shared memory would let one user's text
 # shape another's candidates and timing. Operators turn it on with `lookahead_memory=True` (and give each tenant a
 # `lookahead_memory_namespace`).
-HUB_DEFAULTS = {"lookahead_window": AUTO, "lookahead_memory": False}
+HUB_DEFAULTS = MappingProxyType({"lookahead_window": AUTO, "lookahead_memory": False})
 
 
 def generate(*args: Any, model: PreTrainedModel, **kwargs: Any):

@@ -659,20 +659,19 @@ class LookaheadDecoder:
         The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost, among the
         `allowed` lengths (any length if `None`).
         """
-        per_row = [[(option.length, option.expected) for option in offer.options] for offer in offers]
-        longest = max([length for options in per_row for length, _ in options] + list(allowed or ()))
+        longest = max([option.length for offer in offers for option in offer.options] + list(allowed or ()))
         total = [0.0] * (longest + 1)
-        for options in per_row:
+        for offer in offers:
             # Best expected tokens of this row within each length: a running maximum over lengths.
             best = [0.0] * (longest + 1)
-            for length, expected in options:
-                best[length] = max(best[length], expected)
+            for option in offer.options:
+                best[option.length] = max(best[option.length], option.expected)
             running = 0.0
             for length in range(longest + 1):
                 running = max(running, best[length])
                 total[length] += running
         cost = active[0].policy.step_cost
-        lengths = allowed or sorted({length for options in per_row for length, _ in options})
+        lengths = allowed or sorted({option.length for offer in offers for option in offer.options})
         return max(lengths, key=lambda length: total[length] / cost(length))
 
     def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .auto_tuning import AUTO_TUNING
 from .cost_model import StepCostModel
@@ -75,10 +75,9 @@ class PolicyEstimates:
         )
 
 
-@dataclass(frozen=True)
-class StepOption:
+class StepOption(NamedTuple):
     """
-    One step a policy could take.
+    One step a policy could take (a named tuple: an offer builds one per option, every step).
 
     Args:
         length (`int`): tokens the step feeds for this sequence.
