@@ -45,13 +45,20 @@ style: install
 	$(VENV)/bin/ruff check --fix src tests utils
 	$(VENV)/bin/ruff format src tests utils
 
-# About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, table and plot in bench_out/.
+# About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, table and plot in bench_out/; in
+# bfloat16 where this machine computes it natively (else float32, and it says so), with float32 greedy beside it.
 bench: install
 	$(PY) utils/benchmark.py $(BENCH_ARGS)
 
-# The README's table: 16 + 16 prompts, every method, 3 repeats, window sweep (about an hour on 2 cores).
+# Both models in both dtypes: 16 + 16 prompts, every method, 3 repeats, window sweep; one folder per run under
+# bench_out/ (about an hour per run on 2 cores for SmolLM2, three for Qwen2.5-Coder-0.5B).
+BENCH_MODELS ?= smollm2 qwen-coder
+BENCH_DTYPES ?= bfloat16 float32
 bench-full: install
-	$(PY) utils/benchmark.py --full $(BENCH_ARGS)
+	@for model in $(BENCH_MODELS); do for dtype in $(BENCH_DTYPES); do \
+		$(PY) utils/benchmark.py --full --model $$model --dtype $$dtype --output-dir bench_out/$$model-$$dtype \
+			$(BENCH_ARGS) || exit 1; \
+	done; done
 
 # The suffix memory across calls: four workloads that repeat themselves, greedy / prompt lookup / "auto" without and
 # with memory (about 30 minutes on 2 cores with BENCH_ARGS="--num-prompts 6").

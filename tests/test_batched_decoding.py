@@ -8,6 +8,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from transformers_lookahead import enable_lookahead
 from utils.distribution_check import homogeneity_p_value, token_counts
+from utils.faithfulness import greedy_margins, off_greedy_positions
 from utils.tiny_models import left_padded
 
 from .test_verification import P_VALUE
@@ -20,6 +21,18 @@ def mixed_prompts(count: int = 3) -> list[torch.LongTensor]:
     return [random_prompt(length, seed=seed) for seed, length in zip(range(count), (21, 9, 30, 4, 15, 26, 12, 18))]
 
 
+def _greedy_with_shape(model, inputs: dict, window, ngram, guess):
+    return model.generate(
+        **inputs,
+        max_new_tokens=30,
+        do_sample=False,
+        lookahead_window=window,
+        lookahead_ngram=ngram,
+        lookahead_guess=guess,
+        return_dict_in_generate=True,
+    )
+
+
 class BatchedExactnessTest(unittest.TestCase):
     @parameterized.expand([("llama",), ("gpt2",), ("qwen3",), ("opt",), ("mistral",), ("gpt_neox",)])
     def test_identical_to_batched_greedy_and_to_each_row_alone(self, name):
@@ -29,15 +42,7 @@ class BatchedExactnessTest(unittest.TestCase):
         expected = model.generate(**inputs, max_new_tokens=30, do_sample=False)
         for window, ngram, guess in SHAPES:
             with self.subTest(window=window, ngram=ngram, guess=guess):
-                out = model.generate(
-                    **inputs,
-                    max_new_tokens=30,
-                    do_sample=False,
-                    lookahead_window=window,
-                    lookahead_ngram=ngram,
-                    lookahead_guess=guess,
-                    return_dict_in_generate=True,
-                )
+                out = _greedy_with_shape(model, inputs, window, ngram, guess)
                 self.assertTrue(torch.equal(out.sequences, expected))
                 self.assertEqual(len(out.accepted_per_step), 3)
                 for row, prompt in enumerate(prompts):
@@ -47,6 +52,20 @@ class BatchedExactnessTest(unittest.TestCase):
                 # Rows accepted different numbers of tokens in some step, so unused cache slots were masked.
                 steps = min(len(accepted) for accepted in out.accepted_per_step)
                 self.assertTrue(any(len({acc[s] for acc in out.accepted_per_step}) > 1 for s in range(steps)))
+
+    @parameterized.expand([("llama",), ("gpt2",), ("qwen3",), ("gemma3",)])
+    def test_bfloat16_rows_are_near_greedy(self, name):
+        # In bfloat16 a multi-token pass (or a batch of rows) rounds otherwise than plain greedy's one-token pass, so
+        # the promise is a near-tie of plain greedy's choice at every token, along each row's own text.
+        model = enable_lookahead(tiny_model(name).to(torch.bfloat16))
+        inputs = left_padded(mixed_prompts(3))
+        for window, ngram, guess in SHAPES:
+            with self.subTest(window=window, ngram=ngram, guess=guess):
+                out = _greedy_with_shape(model, inputs, window, ngram, guess)
+                self.assertGreater(max(max(row) for row in out.accepted_per_step), 1, "no step accepted several")
+                margins, scales = greedy_margins(model, inputs, out.sequences[:, -30:])
+                self.assertEqual(margins.shape, (3, 30))
+                self.assertEqual(off_greedy_positions(margins, scales, torch.bfloat16), [])
 
     @parameterized.expand([("gather",), ("refeed",)])
     def test_cache_commit_strategies(self, strategy):
@@ -203,9 +222,10 @@ class BatchedExactnessTest(unittest.TestCase):
 class BatchedSamplingTest(unittest.TestCase):
     """Each row of a sampled batch, `num_return_sequences` included, keeps plain sampling's distribution."""
 
-    def test_first_tokens_per_row(self):
+    @parameterized.expand([("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+    def test_first_tokens_per_row(self, _, dtype):
         vocab = SMALL_VOCABULARY
-        model = enable_lookahead(small_vocabulary_model())
+        model = enable_lookahead(small_vocabulary_model().to(dtype))
         prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]), torch.tensor([[6, 7, 6, 7, 6]])]
         inputs = left_padded(prompts)
         runs, new_tokens, copies = 700, 4, 2

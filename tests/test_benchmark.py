@@ -6,12 +6,14 @@ import torch
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from utils.benchmark import (
+    REFERENCE,
     SPEECH,
     _decoded_tokens,
     _generated_lengths,
     format_batched_table,
     format_sampling_table,
     format_table,
+    native_half_precision,
     run_benchmark,
     summarize,
     summarize_batched,
@@ -22,10 +24,15 @@ from utils.faithfulness import (
     _step_offset,
     first_departure,
     format_departures_table,
+    greedy_margins,
+    near_tie_tolerance,
+    off_greedy_positions,
     run_departures,
     summarize_departures,
 )
 from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
+from utils.quality import QUALITY_METHODS, completion_program, format_quality_table, program_passes, summarize_quality
+from utils.tiny_models import left_padded
 
 from .utils import flat_step_costs, random_prompt, tiny_model
 
@@ -65,6 +72,65 @@ class BenchmarkSummaryTest(unittest.TestCase):
         table = format_table(list(rows.values()))
         self.assertIn("lookahead_auto", table)
         self.assertIn("2.00x", table)
+
+    def test_half_precision_rates_over_own_outputs_and_the_fp32_reference(self):
+        runs = []
+        for repeat in range(3):
+            runs.append(_run("greedy", "p1", "humaneval", 10.0, 100, repeat=repeat))
+            # A text that departed and ended earlier: 60 tokens in 3 s is 2x greedy's rate, not 10 / 3.
+            run = _run("lookahead_auto", "p1", "humaneval", 3.0, 30, identical=False, repeat=repeat)
+            runs.append({**run, "new_tokens": 60})
+            runs.append(_run(REFERENCE, "p1", "humaneval", 20.0, 100, identical=False, repeat=repeat))
+        rows = {(r["method"], r["category"]): r for r in summarize({"runs": runs})}
+        lookahead = rows[("lookahead_auto", "humaneval")]
+        self.assertAlmostEqual(lookahead["speedup"], 2.0)
+        self.assertAlmostEqual(lookahead["speedup_vs_fp32"], 4.0)
+        self.assertAlmostEqual(rows[("greedy", "humaneval")]["speedup_vs_fp32"], 2.0)
+        self.assertAlmostEqual(lookahead["host_ms_per_forward"], 1000 * 0.3 / 30)
+        table = format_table(list(rows.values()))
+        self.assertIn("vs fp32", table)
+        self.assertIn(REFERENCE, table)
+        alone = summarize({"runs": [run for run in runs if run["method"] != REFERENCE]})
+        self.assertIsNone(alone[0]["speedup_vs_fp32"])
+        self.assertNotIn("vs fp32", format_table(alone))
+
+    def test_a_half_precision_run_times_float32_greedy_on_its_own_model(self):
+        half = enable_lookahead(tiny_model("llama").to(torch.bfloat16), LookaheadState(cost_dir=None))
+        full = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
+        dtypes = []
+        full.register_forward_hook(lambda module, args, output: dtypes.append(output.logits.dtype))
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+        args = SimpleNamespace(
+            whisper=False,
+            methods=["greedy", "lookahead_auto"],
+            max_new_tokens=12,
+            repeats=2,
+            sweep_prompts=0,
+            dtype="bfloat16",
+            reference_fp32=True,
+            command="test",
+        )
+
+        def load(args, dtype=None):
+            return (full if dtype == "float32" else half), None, torch.device("cpu")
+
+        with (
+            mock.patch("utils.benchmark._load", side_effect=load),
+            mock.patch("utils.benchmark._prompts", return_value=[("p", "humaneval", ids, ids.shape[1])]),
+        ):
+            result = run_benchmark(args)
+        reference = [run for run in result["runs"] if run["method"] == REFERENCE]
+        self.assertEqual(len(reference), 2)
+        self.assertTrue(all(run["forward_passes"] == 12 for run in reference), "plain greedy: one pass per token")
+        self.assertEqual(set(dtypes), {torch.float32})
+        rows = {(row["method"], row["category"]): row for row in summarize(result)}
+        self.assertIsNotNone(rows[("lookahead_auto", "humaneval")]["speedup_vs_fp32"])
+
+    def test_native_half_precision(self):
+        cpu = torch.device("cpu")
+        self.assertEqual(native_half_precision(cpu, "flags\t\t: fpu avx512f avx512_bf16 amx_tile"), "bfloat16")
+        self.assertEqual(native_half_precision(cpu, "flags\t\t: fpu sse2 avx2 amx_bf16"), "bfloat16")
+        self.assertIsNone(native_half_precision(cpu, "flags\t\t: fpu sse2 avx2 avx512f"))
 
     def test_speech_prompts_are_their_own_group(self):
         runs = [_run("greedy", "s1", SPEECH, 2.0, 100), _run("lookahead_auto", "s1", SPEECH, 4.0, 100)]
@@ -276,13 +342,89 @@ class DeparturesTest(unittest.TestCase):
             [row["departed"] for row in summarize_departures(result)], [0] * len(DEPARTURE_METHODS), result["prompts"]
         )
         self.assertIn("| lookahead_auto | 0 / 3 |", format_departures_table(summarize_departures(result), result))
+        self.assertEqual([row["off_greedy_tokens"] for row in summarize_departures(result)], [0] * 4)
         # A method that changes the text is seen departing where it does.
         changed = {**DEPARTURE_METHODS, "lookahead_auto": {"lookahead_window": 4, "repetition_penalty": 5.0}}
         with mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", changed):
             result = run_departures(args, model, tokenizer, prompts)
         changed_row = summarize_departures(result)[2]
         self.assertGreater(changed_row["departed"], 0)
+        self.assertGreater(changed_row["off_greedy_tokens"], 0, "a penalised text is no near-tie of plain greedy")
         self.assertIsInstance(changed_row["median_margin_at_departure"], float, "plain greedy's margin there")
         self.assertRegex(
             changed_row["first_of_step"], r"^\d+ / \d+$", "where in its step the departing token was chosen"
         )
+
+
+class NearGreedyCheckTest(unittest.TestCase):
+    def test_plain_greedy_is_its_own_choice_and_a_changed_token_is_not(self):
+        for dtype in (torch.float32, torch.bfloat16):
+            with self.subTest(dtype=dtype):
+                model = tiny_model("llama").to(dtype)
+                batch = left_padded([random_prompt(12, seed=2), random_prompt(20, seed=3)])
+                plain = model.generate(**batch, max_new_tokens=16, do_sample=False)[:, batch["input_ids"].shape[1] :]
+                margins, scales = greedy_margins(model, batch, plain)
+                self.assertEqual(margins.shape, (2, 16))
+                self.assertTrue(torch.equal(margins, torch.zeros_like(margins)), "plain greedy along its own text")
+                self.assertTrue((scales > 0).all())
+                changed = plain.clone()
+                changed[1, 5] = (changed[1, 5] + 1) % model.config.vocab_size
+                margins, scales = greedy_margins(model, batch, changed)
+                self.assertIn((1, 5), off_greedy_positions(margins, scales, dtype))
+                self.assertNotIn((0, 5), off_greedy_positions(margins, scales, dtype))
+
+    def test_tolerance_is_zero_in_float32_and_grows_with_the_logits(self):
+        scales = torch.tensor([1.0, 8.0])
+        self.assertTrue(torch.equal(near_tie_tolerance(torch.float32, scales), torch.zeros(2)))
+        tolerance = near_tie_tolerance(torch.bfloat16, scales)
+        self.assertAlmostEqual(float(tolerance[0]), 4 * 2**-7)
+        self.assertAlmostEqual(float(tolerance[1]), 8 * float(tolerance[0]))
+
+
+# A HumanEval-shaped problem (the dataset's own fields), so that the harness is tested without the dataset.
+PROBLEM = {
+    "task_id": "Test/0",
+    "prompt": 'from typing import List\n\n\ndef total(values: List[int]) -> int:\n    """Sum of values."""\n',
+    "entry_point": "total",
+    "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n",
+}
+
+
+class QualityHarnessTest(unittest.TestCase):
+    def test_a_fenced_definition_passes_and_a_wrong_one_fails(self):
+        right = "Here it is:\n```python\ndef total(values):\n    return sum(values)\n```\nIt sums the values."
+        self.assertTrue(program_passes(completion_program(PROBLEM, right)))
+        wrong = "```python\ndef total(values):\n    return len(values)\n```"
+        self.assertFalse(program_passes(completion_program(PROBLEM, wrong)))
+
+    def test_a_body_continues_the_prompt_and_the_prompt_imports_stay(self):
+        self.assertTrue(program_passes(completion_program(PROBLEM, "```python\n    return sum(values)\n```")))
+        annotated = "```python\ndef total(values: List[int]) -> int:\n    return sum(values)\n```"
+        self.assertTrue(program_passes(completion_program(PROBLEM, annotated)), "List comes from the prompt's import")
+
+    def test_the_block_that_defines_the_entry_point_is_taken(self):
+        answer = "```python\nprint(total([1]))\n```\n\n```python\ndef total(values):\n    return sum(values)\n```"
+        self.assertTrue(program_passes(completion_program(PROBLEM, answer)))
+
+    def test_a_completion_that_never_ends_or_is_cut_off_fails(self):
+        endless = "```python\ndef total(values):\n    while True:\n        pass\n```"
+        self.assertFalse(program_passes(completion_program(PROBLEM, endless), timeout=2.0))
+        cut = "```python\ndef total(values):\n    return sum("
+        self.assertFalse(program_passes(completion_program(PROBLEM, cut)))
+
+    def test_the_program_runs_in_a_directory_of_its_own(self):
+        program = "import os, sys\nsys.exit(0 if os.listdir('.') == ['program.py'] else 1)\n"
+        self.assertTrue(program_passes(program))
+
+    def test_summary(self):
+        problems = [
+            {"passed": {m: i == 0 or m == "greedy" for m in QUALITY_METHODS}, "same_text_as_greedy": {}}
+            for i in range(2)
+        ]
+        for entry in problems:
+            entry["same_text_as_greedy"] = {m: m == "greedy" for m in QUALITY_METHODS}
+        result = {"problems": problems, "dtype": "bfloat16", "max_new_tokens": 8}
+        rows = {row["method"]: row for row in summarize_quality(result)}
+        self.assertEqual((rows["greedy"]["passed"], rows["greedy"]["pass_at_1"]), (2, 1.0))
+        self.assertEqual((rows["lookahead_auto"]["passed"], rows["lookahead_auto"]["pass_at_1"]), (1, 0.5))
+        self.assertIn("| lookahead_auto | 1 / 2 | 0.500 | 0 / 2 |", format_quality_table(list(rows.values()), result))

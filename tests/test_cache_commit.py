@@ -9,6 +9,7 @@ from transformers_lookahead.compatibility import compile_config as compile_every
 from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_forward import cache_argument
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
+from utils.faithfulness import greedy_margins, off_greedy_positions
 
 from .utils import flat_step_costs, random_prompt, tiny_model
 
@@ -165,13 +166,13 @@ class StaticCacheTest(unittest.TestCase):
 class CompiledStepTest(unittest.TestCase):
     """With a static cache and a compile config, steps have two shapes only, so the forward compiles at most twice."""
 
-    @parameterized.expand([(4,), ("auto",)])
-    def test_compiles_once_per_shape_and_stays_exact(self, window):
+    @parameterized.expand([(4, torch.float32), ("auto", torch.float32), (4, torch.bfloat16), ("auto", torch.bfloat16)])
+    def test_compiles_once_per_shape_and_stays_exact(self, window, dtype):
         import torch._dynamo
 
         from transformers_lookahead import enable_lookahead
 
-        model = enable_lookahead(tiny_model("llama"))
+        model = enable_lookahead(tiny_model("llama").to(dtype))
         prompt = random_prompt(20, seed=6)
         common = {"max_new_tokens": 40, "do_sample": False, "cache_implementation": "static"}
         expected = model.generate(prompt, **common)
@@ -185,7 +186,13 @@ class CompiledStepTest(unittest.TestCase):
             out = model.generate(
                 prompt, compile_config=compile_config, lookahead_window=window, return_dict_in_generate=True, **common
             )
-        self.assertTrue(torch.equal(out.sequences, expected))
+        if dtype == torch.float32:
+            self.assertTrue(torch.equal(out.sequences, expected))
+        else:
+            margins, scales = greedy_margins(
+                model, {"input_ids": prompt}, out.sequences[:, -40:], cache_implementation="static"
+            )
+            self.assertEqual(off_greedy_positions(margins, scales, dtype), [], "bfloat16: near-ties of greedy only")
         self.assertGreater(max(out.accepted_per_step), 1, "multi-token steps must have run")
         self.assertLess(out.num_forward_passes, 40)
         self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 2)

@@ -19,6 +19,7 @@ from transformers.testing_utils import slow
 
 from transformers_lookahead.lookahead_state import MEMORY_DIR_VARIABLE
 from transformers_lookahead.suffix_memory import read_memory_file, vocabulary_key
+from utils.faithfulness import greedy_margins, off_greedy_positions
 from utils.serving import ServeProcess, lookahead_folder
 
 PROMPTS = [
@@ -178,6 +179,59 @@ class ServeTest(unittest.TestCase):
         for index, prompt in enumerate(prompts):
             self.assertEqual(results[index], expected[prompt], f"client {index}")
         self.assertEqual(self._text(PROMPTS[1]), expected[PROMPTS[1]], "the server serves on")
+
+
+@slow
+class ServeBfloat16Test(unittest.TestCase):
+    """The same folder served in bfloat16: answers as lookahead gives them in this process, and near-greedy."""
+
+    @classmethod
+    def setUpClass(cls):
+        import openai
+
+        cls.folder = lookahead_folder("auto")
+        cls.server = ServeProcess(cls.folder, trust_remote_code=True, dtype="bfloat16").__enter__()
+        cls.client = openai.OpenAI(base_url=cls.server.base_url, api_key="unused", timeout=600, max_retries=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def test_answers_equal_lookahead_in_process_and_are_near_greedy(self):
+        from transformers_lookahead import enable_lookahead
+
+        tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        model = enable_lookahead(AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.bfloat16).eval())
+        # A fixed window: what "auto" verifies follows this machine's timings, and in bfloat16 what a step verifies
+        # can change the text.
+        settings = {"lookahead_window": 4, "lookahead_ngram": 3, "lookahead_memory": False}
+        body = {"generation_config": json.dumps({**settings, "max_new_tokens": MAX_TOKENS})}
+        for prompt in PROMPTS[:3]:
+            with self.subTest(prompt=prompt):
+                messages = [{"role": "user", "content": prompt}]
+                ids = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+                )["input_ids"]
+                common = {"max_new_tokens": MAX_TOKENS, "do_sample": False}
+                out = model.generate(ids, **common, **settings, return_dict_in_generate=True)
+                self.assertGreater(max(out.accepted_per_step), 1, "no step accepted several tokens")
+                texts = out.sequences[:, ids.shape[1] :]
+                served = self.client.chat.completions.create(
+                    model=str(self.folder), messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body=body
+                )
+                self.assertEqual(
+                    served.choices[0].message.content, tokenizer.decode(texts[0], skip_special_tokens=True)
+                )
+                margins, scales = greedy_margins(model, {"input_ids": ids}, texts)
+                self.assertEqual(off_greedy_positions(margins, scales, torch.bfloat16), [])
+                plain = model.generate(ids, **common)
+                off = self.client.chat.completions.create(
+                    model=str(self.folder), messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body=OFF
+                )
+                self.assertEqual(
+                    off.choices[0].message.content,
+                    tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True),
+                )
 
 
 @slow

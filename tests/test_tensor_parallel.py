@@ -56,6 +56,11 @@ def run_ranks(ranks: int, out: Path, args: list[str], timeout: float = 900) -> l
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
+def _counts(entry) -> list[int]:
+    """An entry of `accepted_per_step` as JSON holds it: a count (one sequence) or a row's counts (a batch)."""
+    return entry if isinstance(entry, list) else [entry]
+
+
 class TensorParallelTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -69,7 +74,7 @@ class TensorParallelTest(unittest.TestCase):
         small_vocabulary_model(key_value_heads=2).save_pretrained(root / "small")
         out = root / "out"
         out.mkdir()
-        cls.reports = run_ranks(2, out, [*folders, "--sampling", str(root / "small")])
+        cls.reports = run_ranks(2, out, [*folders, "--sampling", str(root / "small"), "--bfloat16", folders[0]])
 
     @classmethod
     def tearDownClass(cls):
@@ -104,9 +109,18 @@ class TensorParallelTest(unittest.TestCase):
                         )
                     )
                 accepted = report[name][case]["accepted"]
-                steps = [count for row in accepted for count in (row if isinstance(row, list) else [row])]
+                steps = [count for row in accepted for count in _counts(row)]
                 speculated += max(steps, default=1) > 1
             self.assertGreater(speculated, 0, f"{name}: no step accepted several tokens")
+
+    def test_bfloat16_is_near_greedy_on_every_rank(self):
+        first, second = (report["bfloat16"] for report in self.reports)
+        self.assertEqual(first, second, "same tokens on every rank")
+        for case, result in first.items():
+            with self.subTest(case=case):
+                self.assertEqual(result["off_greedy"], [], f"largest margin {result['largest_margin']}")
+        steps = [kept for result in first.values() for row in result["accepted"] for kept in _counts(row)]
+        self.assertGreater(max(steps), 1, "no step accepted several tokens")
 
     def test_eos_inside_the_generation(self):
         report = self.reports[0]

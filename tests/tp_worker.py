@@ -3,7 +3,8 @@ One rank of the tensor-parallel tests (`tests/test_tensor_parallel.py`), run und
 with `tp_plan="auto"`, decodes with and without lookahead, and writes what it got to `OUT/rank<R>.json` for the
 parent test to compare across ranks and against plain tensor-parallel decoding.
 
-    torchrun --nproc-per-node 2 tests/tp_worker.py OUT FOLDER [FOLDER ...] [--sampling FOLDER] [--new-tokens N]
+    torchrun --nproc-per-node 2 tests/tp_worker.py OUT FOLDER [FOLDER ...] [--sampling FOLDER] [--bfloat16 FOLDER]
+        [--new-tokens N]
 """
 
 from __future__ import annotations
@@ -119,6 +120,36 @@ def greedy_cases(model, new_tokens: int) -> dict:
     return results
 
 
+def bfloat16_cases(model, new_tokens: int) -> dict:
+    """
+    W=4 and "auto" on one prompt and a left-padded batch in bfloat16, and where their tokens are no near-tie of plain
+    tensor-parallel greedy's choice along the same text (`utils.faithfulness`): none may be.
+    """
+    from utils.faithfulness import greedy_margins, off_greedy_positions
+    from utils.tiny_models import left_padded
+
+    first, second = prompts(model.config.vocab_size)
+    results = {}
+    for name, inputs in (("single", {"input_ids": first}), ("batch", left_padded([first, second]))):
+        for window in (4, "auto"):
+            out = model.generate(
+                **inputs,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                lookahead_window=window,
+                return_dict_in_generate=True,
+            )
+            texts = out.sequences[:, -new_tokens:]
+            margins, scales = greedy_margins(model, inputs, texts)
+            results[f"{name}_{window}"] = {
+                "tokens": texts.tolist(),
+                "accepted": out.accepted_per_step,
+                "off_greedy": off_greedy_positions(margins, scales, torch.bfloat16),
+                "largest_margin": float(margins.max()),
+            }
+    return results
+
+
 def sampling_cases(model, runs: int, new_tokens: int) -> dict:
     prompt = prompts(model.config.vocab_size)[0]
     samples = {}
@@ -138,6 +169,7 @@ def main() -> None:
     parser.add_argument("folders", nargs="*")
     parser.add_argument("--sampling", default=None, help="a small-vocabulary model folder for the sampling check")
     parser.add_argument("--sampling-runs", type=int, default=300)
+    parser.add_argument("--bfloat16", default=None, help="a model folder to decode in bfloat16")
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--real-prompts", action="store_true", help="the folders hold a real model and tokenizer")
     args = parser.parse_args()
@@ -153,6 +185,11 @@ def main() -> None:
                 report[Path(folder).name] = real_model_cases(model, folder, args.new_tokens)
             else:
                 report[Path(folder).name] = greedy_cases(model, args.new_tokens)
+    if args.bfloat16:
+        model = AutoModelForCausalLM.from_pretrained(args.bfloat16, tp_plan="auto", dtype=torch.bfloat16).eval()
+        enable_lookahead(model, state=LookaheadState(cost_dir=None))
+        with mock.patch.object(LookaheadState, "cost_model", return_value=COSTS[min(dist.get_rank(), 1)]):
+            report["bfloat16"] = bfloat16_cases(model, args.new_tokens)
     if args.sampling:
         model = AutoModelForCausalLM.from_pretrained(args.sampling, tp_plan="auto", dtype=torch.float32).eval()
         enable_lookahead(model, state=LookaheadState(cost_dir=None))

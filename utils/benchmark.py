@@ -4,13 +4,19 @@ HumanEval prompts (or Whisper tiny.en transcribing MT-Bench questions read aloud
 interleaved per prompt, so machine noise hits them alike.
 
     python utils/benchmark.py                 # quick: 5 + 5 prompts, greedy / prompt lookup / auto (~10 min, 2 cores)
-    python utils/benchmark.py --full          # the README's table: 16 + 16 prompts, every method, 3 repeats
+    python utils/benchmark.py --full          # 16 + 16 prompts, every method, 3 repeats
+    python utils/benchmark.py --model qwen-coder --dtype float32   # another model, another dtype
     python utils/benchmark.py --whisper --num-prompts 8 --repeats 3  # needs espeak-ng
     python utils/benchmark.py --cost-curve
     python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
     python utils/benchmark.py --batched --num-prompts 4 --repeats 2
     python utils/benchmark.py --memory        # suffix memory across calls: 4 workloads, 8 prompts each, 2 repeats
     python utils/benchmark.py --departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
+    python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
+
+`--dtype auto` (the default) runs bfloat16 where the device computes it natively (CUDA with bf16, a CPU with
+AVX512-BF16 or AMX) and float32 elsewhere, saying which; a half-precision run adds plain greedy in float32 as a
+reference row (`greedy_fp32`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from utils.memory_benchmark import (  # noqa: E402
     summarize_memory,
 )
 from utils.plotting import grouped_bars  # noqa: E402
+from utils.quality import format_quality_table, run_quality, summarize_quality  # noqa: E402
 from utils.timing import ForwardTimer, Run  # noqa: E402
 from utils.tiny_models import left_padded  # noqa: E402
 
@@ -91,6 +98,9 @@ METHODS.update(
         },
     }
 )
+# Plain greedy in float32 beside a half-precision run: what the user would otherwise run.
+REFERENCE = "greedy_fp32"
+METHODS[REFERENCE] = {}
 SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
 # The category of every `--whisper` prompt.
 SPEECH = "speech (whisper)"
@@ -124,13 +134,40 @@ def _environment(args, device) -> dict:
     }
 
 
-def _load(args):
+def native_half_precision(device: torch.device, cpu_flags: str | None = None) -> str | None:
+    """
+    `"bfloat16"` (or `"float16"`) where `device` computes it natively, else `None`: a CPU without bf16 instructions
+    emulates it, slower than float32.
+
+    Args:
+        cpu_flags (`str`, *optional*): the CPU's feature flags (read from `/proc/cpuinfo` when not given).
+    """
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device.type != "cpu":
+        return None
+    if cpu_flags is None:
+        try:
+            cpu_flags = next(
+                line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+            )
+        except (OSError, StopIteration):
+            return None
+    flags = set(cpu_flags.replace(":", " ").split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else None
+
+
+def _device(args) -> torch.device:
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _load(args, dtype: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path(args.model, args.cache_dir)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or args.dtype)).to(device).eval()
     return enable_lookahead(model), tokenizer, device
 
 
@@ -185,20 +222,26 @@ def run_benchmark(args) -> dict:
         model, tokenizer, device = _load(args)
         prompts = _prompts(args, tokenizer, device)
     methods = {name: METHODS[name] for name in args.methods}
-    timer = ForwardTimer(model)
+    # The float32 reference of a half-precision run: plain greedy on the same model loaded in float32.
+    models = {name: model for name in methods}
+    if getattr(args, "reference_fp32", False):
+        models[REFERENCE] = _load(args, "float32")[0]
+        methods[REFERENCE] = {}
+    timers = {id(each): ForwardTimer(each) for each in models.values()}
     runs: list[Run] = []
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     # Warm-up: kernels, allocator, the auto policy's cost table, and compilation for the compiled methods.
     warmup_seconds = {}
     for name, kwargs in {"greedy": {}, **methods}.items():
         start = time.perf_counter()
-        model.generate(prompts[0][2], **common, **kwargs)
+        models.get(name, model).generate(prompts[0][2], **common, **kwargs)
         warmup_seconds[name] = time.perf_counter() - start
     progress = tqdm(total=len(prompts) * args.repeats * len(methods), desc="benchmark", unit="gen")
     for prompt_id, category, ids, prompt_length in prompts:
         reference = None
         for repeat in range(args.repeats):
             for name, kwargs in methods.items():
+                timer = timers[id(models[name])]
                 # One memory per repeat: earlier prompts' answers may help, this prompt's earlier answer may not.
                 out, seconds = timer.generate(ids, **common, **kwargs, **own_memory(kwargs, f"repeat-{repeat}"))
                 if reference is None:
@@ -259,15 +302,19 @@ def _window_sweep(model, prompts, args) -> list[dict]:
 
 def summarize(result: dict) -> list[dict]:
     """
-    Per method and category (plus each dataset overall): median over repeats of each prompt's time, then speedup
-    = sum of greedy medians / sum of method medians, tokens/s, tokens per forward, host share of the time.
+    Per method and category (plus each dataset overall): each prompt's median time over repeats; tokens/s over the
+    method's own output (total tokens / total median time: in half precision the texts, and their lengths, may depart
+    from greedy's); speedup = that rate / greedy's (and / float32 greedy's where the run has it); tokens per forward;
+    the host's share of the time and its milliseconds per forward pass (wall time outside the model's forward).
     """
     runs = result["runs"]
     median_seconds = defaultdict(list)
+    tokens_of = defaultdict(list)
     info = {}
     for run in runs:
         key = (run["method"], run["prompt_id"])
         median_seconds[key].append(run["seconds"])
+        tokens_of[key].append(run["new_tokens"])
         info[key] = run
     rows = []
     groups = defaultdict(set)
@@ -276,29 +323,31 @@ def summarize(result: dict) -> list[dict]:
         groups[(method, category)].add(prompt_id)
         if category not in ("humaneval", SPEECH):
             groups[(method, "mt_bench (all)")].add(prompt_id)
+
+    def rate(method: str, prompt_ids) -> float:
+        tokens = sum(statistics.mean(tokens_of[(method, p)]) for p in prompt_ids)
+        return tokens / sum(statistics.median(median_seconds[(method, p)]) for p in prompt_ids)
+
     for (method, category), prompt_ids in sorted(groups.items()):
-        seconds = sum(statistics.median(median_seconds[(method, p)]) for p in prompt_ids)
-        greedy = sum(statistics.median(median_seconds[("greedy", p)]) for p in prompt_ids)
         selected = [r for r in runs if r["method"] == method and r["prompt_id"] in prompt_ids]
         tokens = sum(r["new_tokens"] for r in selected)
         passes = sum(r["forward_passes"] for r in selected)
         total = sum(r["seconds"] for r in selected)
         forward = sum(r["forward_seconds"] for r in selected)
-        per_prompt = [
-            statistics.median(median_seconds[("greedy", p)]) / statistics.median(median_seconds[(method, p)])
-            for p in prompt_ids
-        ]
+        has_reference = all((REFERENCE, p) in median_seconds for p in prompt_ids)
         rows.append(
             {
                 "method": method,
                 "category": category,
                 "prompts": len(prompt_ids),
-                "tokens_per_s": tokens / total,
-                "speedup": greedy / seconds,
-                "min_prompt_speedup": min(per_prompt),
+                "tokens_per_s": rate(method, prompt_ids),
+                "speedup": rate(method, prompt_ids) / rate("greedy", prompt_ids),
+                "speedup_vs_fp32": rate(method, prompt_ids) / rate(REFERENCE, prompt_ids) if has_reference else None,
+                "min_prompt_speedup": min(rate(method, [p]) / rate("greedy", [p]) for p in prompt_ids),
                 "tokens_per_forward": tokens / passes,
                 "accepted_per_step": (tokens - len(selected)) / max(passes - len(selected), 1),
                 "host_share": 1 - forward / total,
+                "host_ms_per_forward": 1000 * (total - forward) / passes,
                 "identical": sum(r["identical_to_greedy"] for r in selected)
                 // max(len(selected) // len(prompt_ids), 1),
             }
@@ -307,16 +356,25 @@ def summarize(result: dict) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
+    with_reference = any(row.get("speedup_vs_fp32") is not None for row in rows)
     header = (
-        f"{'category':<16} {'method':<30} {'n':>3} {'tok/s':>7} {'speedup':>8} {'min':>6} {'tok/fwd':>8} "
-        f"{'acc/step':>8} {'host':>6} {'identical':>9}"
+        f"{'category':<16} {'method':<30} {'n':>3} {'tok/s':>7} {'speedup':>8} "
+        + (f"{'vs fp32':>8} " if with_reference else "")
+        + f"{'min':>6} {'tok/fwd':>8} {'acc/step':>8} {'host':>6} {'host ms':>7} {'identical':>9}"
     )
     lines = [header, "-" * len(header)]
     for row in sorted(rows, key=lambda r: (r["category"], list(METHODS).index(r["method"]))):
+        reference = f"{row['speedup_vs_fp32']:>7.2f}x " if with_reference else ""
         lines.append(
             f"{row['category']:<16} {row['method']:<30} {row['prompts']:>3} {row['tokens_per_s']:>7.1f} "
-            f"{row['speedup']:>7.2f}x {row['min_prompt_speedup']:>5.2f}x {row['tokens_per_forward']:>8.2f} "
-            f"{row['accepted_per_step']:>8.2f} {row['host_share']:>6.1%} {row['identical']:>4}/{row['prompts']}"
+            f"{row['speedup']:>7.2f}x {reference}{row['min_prompt_speedup']:>5.2f}x {row['tokens_per_forward']:>8.2f} "
+            f"{row['accepted_per_step']:>8.2f} {row['host_share']:>6.1%} {row['host_ms_per_forward']:>7.2f} "
+            f"{row['identical']:>4}/{row['prompts']}"
+        )
+    if with_reference:
+        lines.append(
+            f"speedup: tokens/s over the method's own output / greedy's in the run's dtype; vs fp32: / {REFERENCE}'s; "
+            "identical: same tokens as greedy in the run's dtype"
         )
     return "\n".join(lines)
 
@@ -652,6 +710,16 @@ def run_cost_curve(args) -> None:
     figure.savefig(out / "cost_curve.png", dpi=110)
 
 
+def _write_report(stem: Path, result: dict, args, device, summarize_rows, format_rows) -> None:
+    """Adds the environment and the summary to `result`, writes `stem.json` and the table to `stem.txt`, prints it."""
+    result["environment"] = _environment(args, device)
+    result["summary"] = summarize_rows(result)
+    table = format_rows(result["summary"], result)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".txt").write_text(table + "\n")
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -674,7 +742,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 where the device computes it natively, else float32",
+    )
+    parser.add_argument(
+        "--reference-fp32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"add plain greedy in float32 ({REFERENCE}) to a half-precision side-by-side run (default: on)",
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
@@ -702,6 +781,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="where each method's greedy output departs from plain greedy, beside batched greedy (utils/faithfulness.py)",
     )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="HumanEval pass@1 of greedy, batched greedy, prompt lookup and lookahead (utils/quality.py); "
+        "--num-prompts problems, at most the 82 tuning ones",
+    )
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -712,8 +797,24 @@ def main(argv: list[str] | None = None) -> None:
     args.command = "python utils/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        native = native_half_precision(_device(args))
+        args.dtype = native or "float32"
+        print(
+            f"dtype: {args.dtype} ("
+            + ("computed natively on this device" if native else "this device has no native half precision")
+            + "; --dtype sets another)",
+            flush=True,
+        )
+    if REFERENCE in args.methods:
+        args.methods = [method for method in args.methods if method != REFERENCE]
+        args.reference_fp32 = True
+    if args.reference_fp32 is None:
+        args.reference_fp32 = args.dtype != "float32" and not args.whisper
     if "greedy" not in args.methods:
         args.methods = ["greedy", *args.methods]
+    if args.whisper and args.reference_fp32:
+        parser.error("--reference-fp32 compares causal language models; drop it with --whisper.")
     if args.whisper and (args.sampling or args.batched or args.cost_curve or args.model):
         parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop the other modes.")
     if args.cost_curve:
@@ -732,12 +833,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.departures:
         model, tokenizer, device = _load(args)
         result = run_departures(args, model, tokenizer, _prompts(args, tokenizer, device))
-        result["environment"] = _environment(args, device)
-        result["summary"] = summarize_departures(result)
-        table = format_departures_table(result["summary"], result)
-        (out / f"departures-{args.dtype}.json").write_text(json.dumps(result, indent=1))
-        (out / f"departures-{args.dtype}.txt").write_text(table + "\n")
-        print(table)
+        _write_report(
+            out / f"departures-{args.dtype}", result, args, device, summarize_departures, format_departures_table
+        )
+        return
+    if args.quality:
+        model, tokenizer, device = _load(args)
+        result = run_quality(args, model, tokenizer)
+        _write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
         return
     if args.memory:
         model, tokenizer, device = _load(args)

@@ -91,6 +91,7 @@ class ServeProcess:
             `TRANSFORMERS_LOOKAHEAD_MEMORY_DIR`).
         python (`Path`, *optional*): the interpreter of the environment to serve from (its `transformers` script);
             defaults to this one's.
+        dtype (`str`): the dtype the server loads the model in.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class ServeProcess:
         startup_timeout: float = 240.0,
         environment: dict[str, str] | None = None,
         python: Path | None = None,
+        dtype: str = "float32",
     ):
         self.folder = folder
         self.port = free_port()
@@ -109,7 +111,7 @@ class ServeProcess:
         self.startup_timeout = startup_timeout
         executable = Path(python or sys.executable).with_name("transformers")
         self.command = [str(executable), "serve", str(folder), "--host", LOOPBACK, "--port", str(self.port)]
-        self.command += ["--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+        self.command += ["--device", "cpu", "--dtype", dtype, "--log-level", "warning"]
         if trust_remote_code:
             self.command.append("--trust-remote-code")
         self.command += extra_args or []

@@ -1,0 +1,115 @@
+"""
+`utils/benchmark.py --quality`: HumanEval pass@1 of each decoding method, as users judge a code model. Every method
+completes each tuning problem (the chat prompt the other benchmarks use), and each completion runs against the
+problem's own tests in a subprocess of its own, in a temporary directory, with a timeout.
+
+    python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16 --max-new-tokens 384
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from utils.assets import chat_input_ids, humaneval_problems
+from utils.tiny_models import left_padded
+
+# What is compared; "batched_greedy" decodes the problem in a left-padded batch of two (with the next problem).
+QUALITY_METHODS = {
+    "greedy": {},
+    "batched_greedy": None,
+    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+    "lookahead_auto": {"lookahead_window": "auto", "lookahead_memory": False},
+}
+TUNING_PROBLEMS = 82
+_FENCED = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def completion_program(problem: dict, completion: str) -> str:
+    """
+    The program that tests a completion: the problem's prompt (its imports and stub), the completion's code, the
+    problem's tests and the call of its `check`. The code is the first fenced block that defines the entry point (or
+    the first block, or the whole answer where there is none); a block that only continues the function body is
+    appended to the prompt, one that defines the function replaces the stub.
+    """
+    blocks = _FENCED.findall(completion)
+    entry = problem["entry_point"]
+    code = next((block for block in blocks if f"def {entry}" in block), blocks[0] if blocks else completion)
+    return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({entry})\n"
+
+
+def program_passes(program: str, timeout: float = 10.0) -> bool:
+    """Whether `program` exits cleanly within `timeout` seconds, run by an isolated interpreter in a fresh directory."""
+    with tempfile.TemporaryDirectory(prefix="humaneval-") as directory:
+        path = Path(directory, "program.py")
+        path.write_text(program)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-I", str(path)], cwd=directory, capture_output=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            return False
+    return result.returncode == 0
+
+
+def run_quality(args, model, tokenizer) -> dict:
+    """
+    For each of the first `args.num_prompts` HumanEval tuning problems (at most 82): every method of
+    `QUALITY_METHODS` generates up to `args.max_new_tokens` tokens greedily, and each completion is tested.
+    """
+    from tqdm.auto import tqdm
+
+    problems = humaneval_problems(args.cache_dir)[: min(args.num_prompts, TUNING_PROBLEMS)]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = model.device
+    inputs = [chat_input_ids(tokenizer, problem["prompt"], "humaneval").to(device) for problem in problems]
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad_id}
+    results = []
+    for index, (problem, ids) in enumerate(zip(tqdm(problems, desc="quality", unit="problem"), inputs)):
+        entry = {"task_id": problem["task_id"], "passed": {}, "same_text_as_greedy": {}}
+        texts = {}
+        for method, kwargs in QUALITY_METHODS.items():
+            if kwargs is None:
+                batch = left_padded([ids, inputs[(index + 1) % len(inputs)]], pad_id)
+                generated = model.generate(**batch, **common)[0, batch["input_ids"].shape[1] :]
+            else:
+                generated = model.generate(ids, **common, **kwargs)[0, ids.shape[1] :]
+            texts[method] = tokenizer.decode(generated, skip_special_tokens=True)
+            entry["passed"][method] = program_passes(completion_program(problem, texts[method]))
+            entry["same_text_as_greedy"][method] = texts[method] == texts["greedy"]
+        entry["completions"] = texts
+        results.append(entry)
+    return {"problems": results, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+
+
+def summarize_quality(result: dict) -> list[dict]:
+    """Per method: problems passed, pass@1, and how many completions have greedy's exact text."""
+    problems = result["problems"]
+    return [
+        {
+            "method": method,
+            "problems": len(problems),
+            "passed": sum(entry["passed"][method] for entry in problems),
+            "pass_at_1": sum(entry["passed"][method] for entry in problems) / len(problems),
+            "same_text_as_greedy": sum(entry["same_text_as_greedy"][method] for entry in problems),
+        }
+        for method in QUALITY_METHODS
+    ]
+
+
+def format_quality_table(rows: list[dict], result: dict) -> str:
+    lines = [
+        f"HumanEval pass@1 ({result['dtype']}, up to {result['max_new_tokens']} new tokens, greedy decoding)",
+        "",
+        "| method | passed | pass@1 | same text as greedy |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['method']} | {row['passed']} / {row['problems']} | {row['pass_at_1']:.3f} | "
+            f"{row['same_text_as_greedy']} / {row['problems']} |"
+        )
+    return "\n".join(lines)
