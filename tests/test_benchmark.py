@@ -51,6 +51,13 @@ def _run(method, prompt_id, category, seconds, passes, identical=True, repeat=0)
     }
 
 
+def _benchmark_args(**settings) -> SimpleNamespace:
+    """The parsed arguments `run_benchmark` reads: greedy and "auto", no sweep, plus `settings`."""
+    return SimpleNamespace(
+        whisper=False, methods=["greedy", "lookahead_auto"], sweep_prompts=0, command="test", **settings
+    )
+
+
 class BenchmarkSummaryTest(unittest.TestCase):
     def test_speedup_is_a_ratio_of_median_times(self):
         runs = []
@@ -100,16 +107,7 @@ class BenchmarkSummaryTest(unittest.TestCase):
         dtypes = []
         full.register_forward_hook(lambda module, args, output: dtypes.append(output.logits.dtype))
         ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
-        args = SimpleNamespace(
-            whisper=False,
-            methods=["greedy", "lookahead_auto"],
-            max_new_tokens=12,
-            repeats=2,
-            sweep_prompts=0,
-            dtype="bfloat16",
-            reference_fp32=True,
-            command="test",
-        )
+        args = _benchmark_args(max_new_tokens=12, repeats=2, dtype="bfloat16", reference_fp32=True)
 
         def load(args, dtype=None):
             return (full if dtype == "float32" else half), None, torch.device("cpu")
@@ -124,7 +122,8 @@ class BenchmarkSummaryTest(unittest.TestCase):
         self.assertTrue(all(run["forward_passes"] == 12 for run in reference), "plain greedy: one pass per token")
         self.assertEqual(set(dtypes), {torch.float32})
         rows = {(row["method"], row["category"]): row for row in summarize(result)}
-        self.assertIsNotNone(rows[("lookahead_auto", "humaneval")]["speedup_vs_fp32"])
+        lookahead, reference = rows[("lookahead_auto", "humaneval")], rows[(REFERENCE, "humaneval")]
+        self.assertAlmostEqual(lookahead["speedup_vs_fp32"], lookahead["tokens_per_s"] / reference["tokens_per_s"])
 
     def test_native_half_precision(self):
         cpu = torch.device("cpu")
@@ -157,15 +156,7 @@ class RepeatsTest(unittest.TestCase):
     def test_a_repeat_is_not_answered_from_the_memory_of_the_one_before(self):
         model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
         ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
-        args = SimpleNamespace(
-            whisper=False,
-            methods=["greedy", "lookahead_auto"],
-            max_new_tokens=24,
-            repeats=3,
-            sweep_prompts=0,
-            dtype="float32",
-            command="test",
-        )
+        args = _benchmark_args(max_new_tokens=24, repeats=3, dtype="float32")
         with (
             mock.patch("utils.benchmark._load", return_value=(model, None, torch.device("cpu"))),
             mock.patch("utils.benchmark._prompts", return_value=[("p", "c", ids, ids.shape[1])]),

@@ -223,7 +223,7 @@ def run_benchmark(args) -> dict:
         prompts = _prompts(args, tokenizer, device)
     methods = {name: METHODS[name] for name in args.methods}
     # The float32 reference of a half-precision run: plain greedy on the same model loaded in float32.
-    models = {name: model for name in methods}
+    models = {name: model for name in ("greedy", *methods)}
     if getattr(args, "reference_fp32", False):
         models[REFERENCE] = _load(args, "float32")[0]
         methods[REFERENCE] = {}
@@ -234,7 +234,7 @@ def run_benchmark(args) -> dict:
     warmup_seconds = {}
     for name, kwargs in {"greedy": {}, **methods}.items():
         start = time.perf_counter()
-        models.get(name, model).generate(prompts[0][2], **common, **kwargs)
+        models[name].generate(prompts[0][2], **common, **kwargs)
         warmup_seconds[name] = time.perf_counter() - start
     progress = tqdm(total=len(prompts) * args.repeats * len(methods), desc="benchmark", unit="gen")
     for prompt_id, category, ids, prompt_length in prompts:
