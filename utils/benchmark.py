@@ -13,6 +13,7 @@ interleaved per prompt, so machine noise hits them alike.
     python utils/benchmark.py --memory        # suffix memory across calls: 4 workloads, 8 prompts each, 2 repeats
     python utils/benchmark.py --departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
     python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
+    python utils/benchmark.py --continuous-batching --num-prompts 8 --repeats 2   # 1 / 4 / 8 / 16 concurrent requests
 
 `--dtype auto` (the default) runs bfloat16 where the device computes it natively (CUDA with bf16, a CPU with
 AVX512-BF16 or AMX) and float32 elsewhere, saying which; a half-precision run adds plain greedy in float32 as a
@@ -46,6 +47,12 @@ from utils.assets import (  # noqa: E402
     spoken_audio,
     tuning_prompts,
     whisper_tiny_en_path,
+)
+from utils.cb_benchmark import (  # noqa: E402
+    format_continuous_batching_table,
+    plot_continuous_batching,
+    run_continuous_batching,
+    summarize_continuous_batching,
 )
 from utils.distribution_check import homogeneity_p_value, token_counts  # noqa: E402
 from utils.faithfulness import format_departures_table, run_departures, summarize_departures  # noqa: E402
@@ -161,13 +168,14 @@ def _device(args) -> torch.device:
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _load(args, dtype: str | None = None):
+def _load(args, dtype: str | None = None, **loading):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path(args.model, args.cache_dir)
     device = _device(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or args.dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or args.dtype), **loading)
+    model = model.to(device).eval()
     return enable_lookahead(model), tokenizer, device
 
 
@@ -787,6 +795,13 @@ def main(argv: list[str] | None = None) -> None:
         help="HumanEval pass@1 of greedy, batched greedy, prompt lookup and lookahead (utils/quality.py); "
         "--num-prompts problems, at most the 82 tuning ones",
     )
+    parser.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="plain vs lookahead continuous batching vs lookahead generate one request at a time, at each "
+        "--concurrency (utils/cb_benchmark.py)",
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -841,6 +856,13 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, device = _load(args)
         result = run_quality(args, model, tokenizer)
         _write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
+        return
+    if args.continuous_batching:
+        model, tokenizer, device = _load(args, attn_implementation="sdpa")
+        result = run_continuous_batching(args, model, tokenizer, _prompts(args, tokenizer, device))
+        stem = out / f"continuous_batching-{args.dtype}"
+        _write_report(stem, result, args, device, summarize_continuous_batching, format_continuous_batching_table)
+        plot_continuous_batching(result["summary"], stem.with_suffix(".png"))
         return
     if args.memory:
         model, tokenizer, device = _load(args)

@@ -25,7 +25,8 @@ class LookaheadGenerationMixin:
 
     With `lookahead_window` set (as a `generate` argument, in the `generation_config` passed to it, or in the model's
     own `generation_config`), `generate` prepares its inputs as usual and then decodes with
-    `transformers_lookahead.generate`. Without it, `generate` is untouched. `save_pretrained` keeps the `lookahead_*`
+    `transformers_lookahead.generate`, and continuous batching (`init_continuous_batching`, `generate_batch`) runs
+    lookahead steps (see `continuous_batching.py`). Without it, both are untouched. `save_pretrained` keeps the `lookahead_*`
     fields of the model's generation config.
 
     For a model that is already loaded, `enable_lookahead(model)` gives its `generate` the same behaviour.
@@ -37,6 +38,11 @@ class LookaheadGenerationMixin:
         self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
     ):
         return generate_with_lookahead(self, inputs, generation_config, **kwargs)
+
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None, *args: Any, **kwargs: Any):
+        from .continuous_batching import init_continuous_batching_with_lookahead
+
+        return init_continuous_batching_with_lookahead(self, generation_config, *args, **kwargs)
 
     def save_pretrained(self, *args: Any, **kwargs: Any):
         # `GenerationConfig.from_pretrained` drops custom fields from configs flagged as derived from the model
@@ -169,7 +175,9 @@ def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None
     set (in the call, the call's generation config or the model's), as `LookaheadGenerationMixin` does for a class.
     It is bound the way Transformers binds the `generate` of a model folder's `custom_generate/`
     (`model.generate = functools.partial(...)`): the model's class, and what `save_pretrained` writes, stay as they
-    were. The model also gets a `lookahead_state` where `"auto"` keeps what it learns across calls.
+    were. Its `init_continuous_batching` (which `generate_batch` calls) is bound the same way, so that continuous
+    batching runs lookahead steps too. The model also gets a `lookahead_state` where `"auto"` keeps what it learns
+    across calls.
 
     Calling it again keeps the model's state unless `state` is given.
 
@@ -186,7 +194,11 @@ def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None
     if state is not None and not isinstance(state, LookaheadState):
         raise TypeError(f"`state` must be a `LookaheadState`, got {type(state).__name__}.")
     if not is_lookahead_enabled(model) and not isinstance(model, LookaheadGenerationMixin):
+        from .continuous_batching import init_continuous_batching_with_lookahead
+
         model.generate = functools.partial(generate_with_lookahead, model)
+        # `generate_batch` and the continuous-batching context manager reach the engine through this method.
+        model.init_continuous_batching = functools.partial(init_continuous_batching_with_lookahead, model)
     if state is not None or getattr(model, "lookahead_state", None) is None:
         model.lookahead_state = state or LookaheadState()
     return model

@@ -31,6 +31,7 @@ from .step_policy import (
     StepChoice,
     StepOffer,
     StepPolicy,
+    batch_step_length,
     choose_window,
 )
 from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
@@ -38,6 +39,8 @@ from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdi
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
+
+    from .suffix_memory import SuffixMemory
 
 # Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
 DEFAULT_WINDOW = "auto"
@@ -528,9 +531,9 @@ class LookaheadDecoder:
             if room < self.fixed_length:
                 budget = 1
             elif adapts:
-                budget = self._batch_length(active, offers, (1, self.fixed_length))
+                budget = batch_step_length(offers, active[0].policy.step_cost, (1, self.fixed_length))
         elif adapts and len(active) > 1:
-            budget = self._batch_length(active, offers)
+            budget = batch_step_length(offers, active[0].policy.step_cost)
         plans = []
         for sequence, offer in zip(active, offers):
             if budget == 1:
@@ -554,24 +557,7 @@ class LookaheadDecoder:
         return plans
 
     def _offer(self, sequence: SequenceState) -> StepOffer:
-        """The sequence's candidates for this step, priced by its policy (with whether its window fits the model's
-        positions)."""
-        config, tokens = self.config, sequence.tokens
-        position = sequence.position
-        position_room = (self.max_positions - 1 - position) if self.max_positions else sequence.limit
-        depth = min(config.levels, sequence.limit - sequence.length - 1, position_room)
-        window_allowed = position_room >= config.levels + self.window_size - 1
-        tree = sequence.pool.tree(tokens[-1], depth)
-        if sequence.context is not None:
-            sequence.context.update(tokens)
-            room = min(AUTO_TUNING.context_depth, sequence.limit - sequence.length - 1, position_room)
-            tree.add_path(sequence.context.continuation(tokens, room))
-        if self.memory is not None:
-            depth_room = min(AUTO_TUNING.memory_depth, sequence.limit - sequence.length - 1, position_room)
-            match = self.memory.match(tokens, depth_room)
-            if match is not None:
-                tree.add_memory(match, AUTO_TUNING.memory_nodes)
-        return sequence.policy.offer(tree, window_allowed, sequence.pending.shape[0])
+        return offer_candidates(sequence, self.config, self.max_positions, self.memory)
 
     def _accept(self, plan: StepPlan, logits: torch.Tensor, streamer: BaseStreamer | None) -> tuple[Verdict, int]:
         """
@@ -650,29 +636,6 @@ class LookaheadDecoder:
         if attention_mask is None:
             return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         return attention_mask.bool()
-
-    @staticmethod
-    def _batch_length(
-        active: list[SequenceState], offers: list[StepOffer], allowed: tuple[int, ...] | None = None
-    ) -> int:
-        """
-        The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost, among the
-        `allowed` lengths (any length if `None`).
-        """
-        longest = max([option.length for offer in offers for option in offer.options] + list(allowed or ()))
-        total = [0.0] * (longest + 1)
-        for offer in offers:
-            # Best expected tokens of this row within each length: a running maximum over lengths.
-            best = [0.0] * (longest + 1)
-            for option in offer.options:
-                best[option.length] = max(best[option.length], option.expected)
-            running = 0.0
-            for length in range(longest + 1):
-                running = max(running, best[length])
-                total[length] += running
-        cost = active[0].policy.step_cost
-        lengths = allowed or sorted({option.length for offer in offers for option in offer.options})
-        return max(lengths, key=lambda length: total[length] / cost(length))
 
     def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:
         """
@@ -809,6 +772,38 @@ class LookaheadDecoder:
     def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
         if streamer is not None and kept:
             streamer.put(sequence.text.last(kept).cpu())
+
+
+def offer_candidates(
+    sequence: SequenceState, config: LookaheadConfig, max_positions: int | None, memory: SuffixMemory | None
+) -> StepOffer:
+    """
+    A sequence's candidates for its next step, priced by its policy (with whether its window fits the model's
+    positions): its pool's tree under the last token, the continuation its context index copies, and the suffix
+    memory's match.
+
+    Args:
+        sequence (`SequenceState`): the sequence (or any object with its `tokens`, `length`, `limit`, `position`,
+            `pending`, `pool`, `context` and `policy`, as a continuous-batching request's lookahead has).
+        config (`LookaheadConfig`): the step shape.
+        max_positions (`int`, *optional*): the positions the model embeds, if it says.
+        memory (`SuffixMemory`, *optional*): earlier calls' text.
+    """
+    tokens, position = sequence.tokens, sequence.position
+    position_room = (max_positions - 1 - position) if max_positions else sequence.limit
+    depth = min(config.levels, sequence.limit - sequence.length - 1, position_room)
+    window_allowed = position_room >= config.levels + sequence.window.window - 1
+    tree = sequence.pool.tree(tokens[-1], depth)
+    if sequence.context is not None:
+        sequence.context.update(tokens)
+        room = min(AUTO_TUNING.context_depth, sequence.limit - sequence.length - 1, position_room)
+        tree.add_path(sequence.context.continuation(tokens, room))
+    if memory is not None:
+        depth_room = min(AUTO_TUNING.memory_depth, sequence.limit - sequence.length - 1, position_room)
+        match = memory.match(tokens, depth_room)
+        if match is not None:
+            tree.add_memory(match, AUTO_TUNING.memory_nodes)
+    return sequence.policy.offer(tree, window_allowed, sequence.pending.shape[0])
 
 
 def step_fingerprint(plans: list[StepPlan]) -> int:

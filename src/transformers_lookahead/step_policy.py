@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -27,6 +28,33 @@ def choose_window(
     base = 1 + levels
     fitting = [w for w in range(1, max_window + 1) if cost(base + w * levels) <= budget * cost(base)]
     return max(fitting, default=1)
+
+
+def batch_step_length(
+    offers: list[StepOffer], step_cost: Callable[[int], float], allowed: tuple[int, ...] | None = None
+) -> int:
+    """
+    The step length (tokens per row) with the most expected tokens, summed over rows, per unit of cost, among the
+    `allowed` lengths (any length an offer has if `None`): every row then verifies the best it can within it.
+
+    Args:
+        offers (`list[StepOffer]`): one offer per row of the step.
+        step_cost (`Callable[[int], float]`): the cost of a step of that many tokens per row, for this batch.
+        allowed (`tuple[int]`, *optional*): the lengths to choose from.
+    """
+    longest = max([option.length for offer in offers for option in offer.options] + list(allowed or ()))
+    total = [0.0] * (longest + 1)
+    for offer in offers:
+        # Best expected tokens of this row within each length: a running maximum over lengths.
+        best = [0.0] * (longest + 1)
+        for option in offer.options:
+            best[option.length] = max(best[option.length], option.expected)
+        running = 0.0
+        for length in range(longest + 1):
+            running = max(running, best[length])
+            total[length] += running
+    lengths = allowed or sorted({option.length for offer in offers for option in offer.options})
+    return max(lengths, key=lambda length: total[length] / step_cost(length))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,738 @@
+"""
+Lookahead decoding inside Transformers' continuous batching (`generate_batch`, `init_continuous_batching`).
+
+Continuous batching packs the query tokens of many requests into one forward pass over a paged KV cache, one token
+per decoding request. Here each decoding request may instead contribute a block: its pending token, its window and
+its candidates (`StepLayout.row`), with its own mask over its own paged KV. The step verifies every request on its
+own, keeps the accepted entries (copying them into place in the request's pages), and gives back the pages past
+what it kept. Prefill, chunked prefill, scheduling and requests joining and leaving stay Transformers' own.
+
+As a separate package this reaches into Transformers' continuous-batching internals. Every one of those reaches is
+in this module, and `check_continuous_batching_apis` names what moved when a Transformers release changes them
+(`tests/test_continuous_batching.py` runs it).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+)
+from transformers.generation.continuous_batching.requests import (
+    TMP_TOKEN_ID,
+    GenerationOutput,
+    RequestState,
+    RequestStatus,
+)
+
+from .auto_tuning import AUTO_TUNING
+from .compatibility import processors_for_row
+from .configuration_lookahead import LookaheadConfig
+from .lookahead_decoding import offer_candidates
+from .lookahead_state import LookaheadState
+from .lookahead_window import LookaheadWindow
+from .ngram_pool import ContextIndex, NGramPool, TokenTree
+from .step_forward import max_positions
+from .step_layout import AttentionGroup, RowStep, StepLayout
+from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice, batch_step_length, choose_window
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from .cost_model import StepCostModel
+    from .suffix_memory import SuffixMemory
+
+# The paged-attention backends that take an explicit mask (the flash ones build causal masks from sequence lengths).
+MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
+# At most this share of a batch's token budget goes to lookahead blocks while requests wait for their prefill, so
+# that speculation never holds new requests back for long.
+SHARE_WHILE_REQUESTS_WAIT = 0.5
+
+
+@dataclass
+class LookaheadGenerationOutput(GenerationOutput):
+    """
+    `GenerationOutput` of continuous batching, plus what lookahead did for the request.
+
+    Args:
+        accepted_per_step (`list[int]`): tokens the request accepted at each of its forward passes after the prefill
+            (1 for a step that verified nothing).
+    """
+
+    accepted_per_step: list[int] = field(default_factory=list)
+
+
+class RequestLookahead:
+    """
+    One request's lookahead: its text, n-gram pool, window, step policy, context index and verifier. It has what
+    `offer_candidates` reads of a sequence (`tokens`, `length`, `limit`, `position`, `pending`, `pool`, `window`,
+    `context`, `policy`).
+
+    Args:
+        tokens (`list[int]`): the prompt.
+        limit (`int`): the longest the text may grow (prompt + `max_new_tokens`).
+        pool (`NGramPool`): its candidate n-grams.
+        window (`LookaheadWindow`, *optional*): its Jacobi window (drawn once the prefill gave the first token).
+        policy (`StaticStepPolicy` or `AdaptiveStepPolicy`): what goes into each of its steps.
+        context (`ContextIndex`, *optional*): where its text repeats itself.
+        verifier (`GreedyVerifier`): how its candidates are checked (greedy or sampling).
+    """
+
+    def __init__(
+        self,
+        tokens: list[int],
+        limit: int,
+        pool: NGramPool,
+        window: LookaheadWindow | None,
+        policy: StaticStepPolicy | AdaptiveStepPolicy,
+        context: ContextIndex | None,
+        verifier: GreedyVerifier,
+    ):
+        self.tokens = tokens
+        self.limit = limit
+        self.pool = pool
+        self.window = window
+        self.policy = policy
+        self.context = context
+        self.verifier = verifier
+        self.accepted: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def pending(self) -> torch.LongTensor:
+        return torch.tensor(self.tokens[-1:])
+
+
+@dataclass
+class RequestStep:
+    """
+    One decoding request's part of a step.
+
+    Args:
+        lookahead (`RequestLookahead`): the request's lookahead.
+        choice (`StepChoice`): what its policy chose.
+        row (`RowStep`): its tokens, positions and visibility in the step.
+        past (`int`): the tokens of the request in its pages before the step (its pending token's position).
+    """
+
+    lookahead: RequestLookahead
+    choice: StepChoice
+    row: RowStep
+    past: int
+
+
+class LookaheadBatching:
+    """
+    The lookahead part of a continuous-batching engine: one per manager, holding every decoding request's lookahead.
+
+    Each step: `plan` gives every decoding request its block (before Transformers' scheduler runs, which then budgets
+    and pages the block like any query tokens), `lay_out` writes the blocks' positions and masks over what
+    Transformers prepared and says which rows need logits, and `settle` verifies each request, appends what it
+    accepted, moves the accepted KV entries into place and gives back the pages past them.
+
+    With `lookahead_window="auto"` a step is priced as one forward pass of the whole batch: the step settles on one
+    length per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly
+    loaded engine verifies many tokens per request and a full one takes one-token steps, which is plain continuous
+    batching.
+
+    Args:
+        model (`PreTrainedModel`): the model.
+        config (`LookaheadConfig`): the step shape.
+        generation_config (`GenerationConfig`): the engine's generation config.
+        logits_processor (`LogitsProcessorList`): the processors `generate` would build for it.
+        state (`LookaheadState`): where the carried estimates and the suffix memory live.
+        cost (`StepCostModel`, *optional*): the model's step-cost table (for `"auto"`), measured before the engine
+            switched the model to paged attention.
+        max_batch_tokens (`int`): the engine's token budget per forward pass.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: LookaheadConfig,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList,
+        state: LookaheadState,
+        cost: StepCostModel | None,
+        max_batch_tokens: int,
+    ):
+        self.config = config
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.state = state
+        self.max_batch_tokens = max_batch_tokens
+        self.max_positions = max_positions(model)
+        self.cost = cost
+        if config.adaptive:
+            self.window_size = choose_window(cost, config.levels, AUTO_TUNING.max_window)
+        else:
+            self.window_size = config.window
+        self.memory: SuffixMemory | None = None
+        if config.memory:
+            self.memory = state.memory(model, config.memory_namespace, config.memory_size)
+        # Only `row` is used: Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
+        self.layout = StepLayout(
+            self.window_size, config.levels, AttentionGroup(0, None), model.dtype, torch.device("cpu")
+        )
+        self.requests: dict[str, RequestLookahead] = {}
+        self.steps: dict[str, RequestStep] = {}
+        self.logits: torch.Tensor | None = None
+        self.logits_rows: dict[str, tuple[int, int]] = {}
+        self.moves: list[tuple[str, int, int, int, list[int]]] = []
+        self._batch_size = 0
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.steps.clear()
+        self.moves.clear()
+        self.logits = None
+
+    # Planning, before the scheduler.
+
+    def plan(self, active: dict[str, RequestState], requests_wait: bool) -> None:
+        """
+        Gives every decoding request its block for the next step (its `tokens_to_process`), within the token budget.
+
+        Args:
+            active (`dict[str, RequestState]`): the scheduler's active requests.
+            requests_wait (`bool`): whether requests wait for their prefill (then blocks take at most
+                `SHARE_WHILE_REQUESTS_WAIT` of the budget).
+        """
+        self.steps = {}
+        for request_id in [request_id for request_id in self.requests if request_id not in active]:
+            del self.requests[request_id]  # cancelled, or failed
+        decoding = [
+            (request_id, state)
+            for request_id, state in active.items()
+            if state.status == RequestStatus.DECODING
+            and request_id in self.requests
+            and state.tokens_to_process == self.requests[request_id].tokens[-1:]
+        ]
+        if not decoding:
+            return
+        lookaheads = [self.requests[request_id] for request_id, _ in decoding]
+        self._use_batch_cost(len(decoding))
+        offers = [
+            offer_candidates(lookahead, self.config, self.max_positions, self.memory) for lookahead in lookaheads
+        ]
+        share = SHARE_WHILE_REQUESTS_WAIT if requests_wait else 1.0
+        longest = max(1, int(self.max_batch_tokens * share) // len(decoding))
+        budget = None
+        if self.config.adaptive:
+            lengths = sorted(
+                {option.length for offer in offers for option in offer.options if option.length <= longest}
+            )
+            budget = batch_step_length(offers, lookaheads[0].policy.step_cost, tuple(lengths or [1]))
+        room = self.max_batch_tokens
+        for (request_id, state), lookahead, offer in zip(decoding, lookaheads, offers):
+            choice = lookahead.policy.plan(offer, budget)
+            window_tokens = lookahead.window.flat() if choice.use_window else None
+            row = self.layout.row(lookahead.pending, lookahead.position, window_tokens, choice.tree)
+            if row.length > min(longest, room - (len(decoding) - len(self.steps) - 1)):
+                # A fixed shape that does not fit this step's budget verifies nothing this time.
+                choice = StepChoice(offer, False, offer.tree.subtree([]))
+                row = self.layout.row(lookahead.pending, lookahead.position, None, choice.tree)
+            room -= row.length
+            self.steps[request_id] = RequestStep(lookahead, choice, row, state.position_offset)
+            state.tokens_to_process = row.input_ids.tolist()
+
+    def _use_batch_cost(self, batch_size: int) -> None:
+        """A step of T tokens per request costs what `batch_size x T` tokens cost: each policy plans with that."""
+        if self.cost is None or batch_size == self._batch_size:
+            return
+        self._batch_size = batch_size
+        cost = self.cost.for_batch(batch_size)
+        for lookahead in self.requests.values():
+            lookahead.policy.use_cost(cost)
+
+    def unplan(self, scheduled: set[str], active: dict[str, RequestState]) -> None:
+        """Puts back the pending token of the planned requests the scheduler left out of the step."""
+        for request_id in [request_id for request_id in self.steps if request_id not in scheduled]:
+            step = self.steps.pop(request_id)
+            state = active.get(request_id)
+            if state is not None:
+                state.tokens_to_process = step.lookahead.tokens[-1:]
+
+    # Laying out, after Transformers prepared the batch.
+
+    def lay_out(self, inputs_and_outputs: Any) -> torch.LongTensor:
+        """
+        Writes each block's positions and mask over the batch Transformers prepared (causal blocks at consecutive
+        positions), and returns the rows whose logits the step needs: every row a block verifies from, and the last
+        row of every other request that gets a token.
+        """
+        io = inputs_and_outputs
+        count = len(io.requests_in_batch)
+        starts = io.cumulative_seqlens_q[: count + 1].tolist()
+        key_starts = {name: seqlens[: count + 1].tolist() for name, seqlens in io.cumulative_seqlens_k.items()}
+        rows, self.logits_rows = [], {}
+        for index, future in enumerate(io.requests_in_batch):
+            if not future.has_new_token:
+                continue
+            request_id = future.state.request_id
+            start, end = starts[index], starts[index + 1]
+            step = self.steps.get(request_id)
+            if step is None or step.row.length == 1:
+                self.logits_rows[request_id] = (len(rows), 1)
+                rows.append(end - 1)
+                continue
+            row = step.row
+            if end - start != row.length:
+                raise RuntimeError(
+                    f"Request {request_id} was scheduled {end - start} of its {row.length} step tokens."
+                )
+            io.position_ids[start:end] = row.positions.to(io.position_ids)
+            if io.attention_mask is not None:
+                hidden = torch.where(row.visible, 0.0, torch.finfo(io.model_dtype).min)
+                for name, mask in io.attention_mask.items():
+                    key_start = key_starts[name][index] + step.past
+                    mask[0, 0, start:end, key_start : key_start + row.length] = hidden.to(mask)
+            self.logits_rows[request_id] = (len(rows), row.logits_rows.shape[0])
+            rows.extend((start + row.logits_rows).tolist())
+        return torch.tensor(rows, dtype=torch.long, device=io.input_ids.device)
+
+    # Settling, after the forward pass.
+
+    def settle(self, state: RequestState, return_logprobs: bool) -> tuple[RequestLookahead, RequestStep | None, bool]:
+        """
+        Verifies one request's part of the step and appends what it accepted. The moves of its accepted entries into
+        place are collected for `commit`.
+
+        Args:
+            state (`RequestState`): the request, its next token due this step.
+            return_logprobs (`bool`): whether to record the log-probability of each token.
+
+        Returns:
+            `tuple`: the request's lookahead, its step (`None` right after its prefill), and whether it finished.
+        """
+        request_id = state.request_id
+        lookahead = self.requests.get(request_id) or self._start(state)
+        step = self.steps.get(request_id)
+        first, count = self.logits_rows[request_id]
+        logits = self.logits[first : first + count]
+        verified = step is not None and step.row.length > 1
+        tree, tree_row = (step.choice.tree, step.row.tree_row) if verified else (TokenTree(), 1)
+        input_ids = torch.tensor([lookahead.tokens]) if lookahead.verifier.logits_processor else None
+        verdict = lookahead.verifier.verify(logits, tree, tree_row, input_ids, lookahead.limit - lookahead.length)
+        kept, finished = 0, False
+        for token, scores in zip(verdict.tokens, verdict.scores):
+            kept += 1
+            logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if return_logprobs else None
+            lookahead.tokens.append(token)
+            finished = state.update_and_check_completion(token, logprob)
+            if finished:
+                break
+        if step is not None:
+            lookahead.accepted.append(kept)
+            self._learn(step, verdict, kept, logits)
+        elif lookahead.window is None:
+            # Drawn from the prompt and its first token, as `generate` draws a sequence's window.
+            lookahead.window = LookaheadWindow(self.window_size, self.config.levels, torch.tensor(lookahead.tokens))
+        if self.config.pool_from_prompt:
+            lookahead.pool.add_sequence(lookahead.tokens, first_key=len(lookahead.tokens) - kept - self.config.levels)
+        if verified and not finished:
+            self.moves.append((request_id, step.past, step.row.length, step.row.tree_start, verdict.nodes[: kept - 1]))
+            state.position_offset = step.past + kept
+        if finished:
+            self.finish(request_id)
+        return lookahead, step, finished
+
+    def commit(self, cache: Any) -> None:
+        """Moves the step's accepted entries into place, then gives back the pages past what each request kept."""
+        move_accepted_entries(cache, self.moves)
+        for request_id, past, _, _, nodes in self.moves:
+            release_pages_past(cache, request_id, past + 1 + len(nodes))
+        self.moves = []
+
+    def _learn(self, step: RequestStep, verdict: Verdict, kept: int, logits: torch.Tensor) -> None:
+        """Moves one request's policy and window past the step."""
+        lookahead = step.lookahead
+        key = lookahead.tokens[-kept - 1]
+        lookahead.policy.observe(step.choice, verdict, lookahead.pool, key)
+        if step.row.window_used:
+            for ngram in lookahead.window.update(step.row.window_top(logits).argmax(-1)):
+                lookahead.pool.add(ngram[0], ngram[1:], from_window=True)
+
+    def _start(self, state: RequestState) -> RequestLookahead:
+        """The lookahead of a request whose prefill just ended, seeded from its prompt (and earlier output)."""
+        config = self.config
+        tokens = list(state.initial_tokens) + list(state.generated_tokens)
+        remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
+        pool = NGramPool(config.levels, config.guess)
+        if config.pool_from_prompt:
+            pool.add_sequence(tokens)
+        context = None
+        if config.adaptive:
+            policy = AdaptiveStepPolicy(
+                self.cost.for_batch(max(self._batch_size, 1)),
+                self.window_size * config.levels,
+                config.levels,
+                context_depth=AUTO_TUNING.context_depth,
+                memory_match=self.memory.max_match if self.memory is not None else 0,
+                memory_depth=AUTO_TUNING.memory_depth,
+            )
+            learnt = self.state.recall(self._estimates_key(policy))
+            if learnt is not None:
+                policy.start_from(learnt)
+            context = ContextIndex() if config.pool_from_prompt else None
+        else:
+            policy = StaticStepPolicy(self.window_size * config.levels)
+        processors = processors_for_row(self.logits_processor, 0, 1)
+        verifier = GreedyVerifier(processors)
+        if self.do_sample:
+            # One seed per request from torch's generator, as `generate` draws one per sequence.
+            verifier = SamplingVerifier(processors, PositionNoise(int(torch.randint(0, 2**62, ()).item())))
+        lookahead = RequestLookahead(tokens, len(tokens) + remaining, pool, None, policy, context, verifier)
+        self.requests[state.request_id] = lookahead
+        return lookahead
+
+    def _estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
+        """Greedy and sampled requests accept at different rates: each kind carries its own estimates."""
+        return (*policy.shape, self.do_sample)
+
+    def finish(self, request_id: str) -> None:
+        """Forgets a finished request; its text joins the suffix memory (when it is on)."""
+        lookahead = self.requests.pop(request_id, None)
+        if lookahead is None:
+            return
+        if self.memory is not None:
+            self.state.add_to_memory(self.config.memory_namespace, [lookahead.tokens])
+        if self.config.adaptive:
+            self.state.remember(self._estimates_key(lookahead.policy), lookahead.policy.estimates())
+
+
+class LookaheadBatchProcessor(ContinuousBatchProcessor):
+    """
+    Transformers' `ContinuousBatchProcessor` whose steps carry lookahead blocks (see `LookaheadBatching`). Made by
+    `adopt` from the processor Transformers built, so that everything else (scheduling, paging, offloading, prefix
+    sharing, cancellation) is the stock code.
+    """
+
+    lookahead: LookaheadBatching
+
+    @classmethod
+    def adopt(cls, processor: ContinuousBatchProcessor, lookahead: LookaheadBatching) -> LookaheadBatchProcessor:
+        # The manager builds its processor in one method, with a dozen collaborators; taking that object over keeps
+        # every one of them as Transformers made it.
+        processor.__class__ = cls
+        processor.lookahead = lookahead
+        processor.step_rows = None
+        return processor
+
+    def reset(self) -> None:
+        super().reset()
+        self.lookahead.reset()
+
+    def prepare_next_batch(self) -> bool:
+        scheduler = self.scheduler
+        self.lookahead.plan(scheduler.active_requests, requests_wait=bool(scheduler.waiting_requests))
+        ready = super().prepare_next_batch()
+        batch = self.inputs_and_outputs.requests_in_batch if ready else []
+        self.lookahead.unplan({future.state.request_id for future in batch}, scheduler.active_requests)
+        if ready:
+            self.step_rows = self.lookahead.lay_out(self.inputs_and_outputs)
+        return ready
+
+    @torch.no_grad()
+    def _generation_step(self, model: torch.nn.Module) -> None:
+        batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
+        rows = self.step_rows
+        batch["logits_indices"] = rows
+        if self.model_runner.supports_logits_to_keep(model):
+            batch["logits_to_keep"] = rows
+            logits = model(**batch).logits[0]
+        else:
+            logits = model(**batch).logits[0, rows]
+        self.lookahead.logits = logits.float()
+
+    def update_batch(self) -> None:
+        settled = []
+        for future in self.inputs_and_outputs.requests_in_batch:
+            state = future.state
+            if state.status in (RequestStatus.FINISHED, RequestStatus.PENDING):
+                raise RuntimeError(f"Tried to update {state.status.name} request {state.request_id} in sync mode.")
+            if future.has_new_token:
+                if state.generated_len() == 0:
+                    state.status = RequestStatus.DECODING
+                settled.append((future, *self.lookahead.settle(state, self.return_logprobs)))
+            elif state.status == RequestStatus.PREFILLING:
+                self.cache.mark_complete_blocks(state, future.complete_blocks)
+        self.lookahead.commit(self.cache)
+        outputs = []
+        for future, lookahead, step, finished in settled:
+            state = future.state
+            if step is not None and step.row.length > 1:
+                mark_kept_blocks(self.cache, state, step.past)
+            else:
+                self.cache.mark_complete_blocks(state, future.complete_blocks)
+            if finished:
+                self.scheduler.finish_request(state.request_id)
+                self.scheduler.block_new_requests = False
+            if state.streaming or finished:
+                output = state.to_generation_output()
+                outputs.append(LookaheadGenerationOutput(**vars(output), accepted_per_step=list(lookahead.accepted)))
+        if outputs:
+            self.output_router.deliver_batch(outputs)
+
+
+class LookaheadContinuousBatchingManager(ContinuousBatchingManager):
+    """Transformers' `ContinuousBatchingManager` whose batch processor is a `LookaheadBatchProcessor`."""
+
+    lookahead_config: LookaheadConfig
+    lookahead_state: LookaheadState
+    lookahead_cost: StepCostModel | None
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        processor = super()._create_batch_processor()
+        if isinstance(processor, LookaheadBatchProcessor):
+            return processor  # reused, and reset
+        lookahead = LookaheadBatching(
+            self.model,
+            self.lookahead_config,
+            self.generation_config,
+            self.logit_processor.logits_processor,
+            self.lookahead_state,
+            self.lookahead_cost,
+            processor.max_batch_tokens,
+        )
+        return LookaheadBatchProcessor.adopt(processor, lookahead)
+
+
+def init_continuous_batching_with_lookahead(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    workload_hints: Any = None,
+) -> ContinuousBatchingManager:
+    """
+    The model's `init_continuous_batching`, whose engine decodes with lookahead when a `lookahead_window` is set (in
+    `generation_config`, or the model's own): `generate_batch` and `continuous_batching_context_manager` go through
+    it too. Without one the stock manager is returned.
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model with full-attention layers only, loaded with `sdpa` or
+            `eager` attention (lookahead blocks need an explicit mask).
+        generation_config (`GenerationConfig`, *optional*): as for `init_continuous_batching`.
+        continuous_batching_config (`ContinuousBatchingConfig`, *optional*): as for `init_continuous_batching`;
+            lookahead runs the synchronous engine without CUDA graphs or compilation (unset, these default so).
+        workload_hints (`WorkloadHints`, *optional*): as for `init_continuous_batching`.
+
+    Raises:
+        `ValueError`, before anything runs, for a setting lookahead cannot serve inside continuous batching.
+    """
+    stock = _class_init_continuous_batching(model)
+    generation = generation_config if generation_config is not None else model.generation_config
+    config = LookaheadConfig.from_sources(generation or {}, getattr(model, "generation_config", None) or {})
+    if config is None or getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        # Off, or a manager kept from an earlier session (`persistent_manager=True`), which the stock method returns.
+        return stock(generation_config, continuous_batching_config, workload_hints)
+    cb_config = _lookahead_cb_config(model, generation, continuous_batching_config)
+    state = getattr(model, "lookahead_state", None) or LookaheadState()
+    # Measured while the model still runs its own attention backend (the engine switches `eager` to paged eager).
+    cost = state.cost_model(model) if config.adaptive else None
+    manager = stock(generation_config, cb_config, workload_hints)
+    # The stock constructor resolves the engine's settings and switches the attention backend; the lookahead
+    # manager differs only in the processor it builds.
+    manager.__class__ = LookaheadContinuousBatchingManager
+    manager.lookahead_config = config
+    manager.lookahead_state = state
+    manager.lookahead_cost = cost
+    return manager
+
+
+def _class_init_continuous_batching(model: PreTrainedModel) -> Any:
+    """The `init_continuous_batching` of the model's class (Transformers' own), bound to it."""
+    from .generation_mixin import LookaheadGenerationMixin
+
+    if isinstance(model, LookaheadGenerationMixin):
+        return super(LookaheadGenerationMixin, model).init_continuous_batching
+    return type(model).init_continuous_batching.__get__(model, type(model))
+
+
+def _lookahead_cb_config(
+    model: PreTrainedModel, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig | None
+) -> ContinuousBatchingConfig:
+    """Checks what lookahead needs of the engine, and returns the engine's config with those settings fixed."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    problems = []
+    attention = model.config._attn_implementation
+    if attention not in MASKED_BACKENDS:
+        problems.append(
+            f"an attention backend that takes an explicit mask ({', '.join(MASKED_BACKENDS)}), got "
+            f"attn_implementation={attention!r}: load the model with attn_implementation='sdpa'"
+        )
+    layer_groups = set(group_layers_by_attn_type(model.config.get_text_config()))
+    if layer_groups != {"full_attention"}:
+        problems.append(f"full-attention layers only, got {sorted(layer_groups)}")
+    if cb_config.scheduler_type != "fifo":
+        problems.append(f"scheduler_type='fifo' (decoding requests scheduled first), got {cb_config.scheduler_type!r}")
+    if cb_config.use_async_batching:
+        problems.append("use_async_batching=False (a step's accepted tokens decide the next step's inputs)")
+    if cb_config.use_cuda_graph not in (None, False, (False, False)):
+        problems.append(f"use_cuda_graph=False (steps vary in shape), got {cb_config.use_cuda_graph!r}")
+    if cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None:
+        problems.append("no varlen_compile_config or decode_compile_config (steps vary in shape)")
+    if cb_config.per_request_processors:
+        problems.append("per_request_processors=False (each request is verified with the generation config's)")
+    if (generation_config.num_return_sequences or 1) > 1:
+        problems.append(f"num_return_sequences=1, got {generation_config.num_return_sequences}")
+    if getattr(model, "tp_size", None) and model.tp_size > 1:
+        problems.append("a model on one device (tensor parallelism is not supported here yet)")
+    if problems:
+        raise ValueError(
+            "Lookahead decoding inside continuous batching needs " + "; ".join(problems) + ". Or set "
+            '`lookahead_window="off"` in the generation config for plain continuous batching.'
+        )
+    cb_config.use_async_batching = False
+    cb_config.use_cuda_graph = False
+    # The stock engine would switch sdpa to a flash kernel where one is installed; those take no mask.
+    cb_config.auto_switch_to_flash = False
+    return cb_config
+
+
+# The internals of Transformers' continuous batching this module reaches, in one place.
+
+
+def move_accepted_entries(cache: Any, moves: list[tuple[str, int, int, int, list[int]]]) -> None:
+    """
+    Copies each request's accepted tree entries to the positions right after its pending token, in every layer.
+
+    Args:
+        cache (`PagedAttentionCache`): the engine's cache.
+        moves (`list[tuple]`): per request: its id, its pending token's position, its step length, the index in its
+            step of the first tree node, and the accepted nodes (top down).
+    """
+    for allocator in cache.cache_allocators.values():
+        source, target = [], []
+        for request_id, past, length, tree_start, nodes in moves:
+            slots = allocator.get_write_indices(request_id, past, length)
+            for depth, node in enumerate(nodes, start=1):
+                if tree_start + node != depth:
+                    source.append(slots[tree_start + node])
+                    target.append(slots[depth])
+        if not source:
+            continue
+        device = allocator.cache_tensor.device
+        source_index = torch.tensor(source, dtype=torch.long, device=device)
+        target_index = torch.tensor(target, dtype=torch.long, device=device)
+        for layer_idx in allocator.layer_indices:
+            for view in allocator._kv_token_views[layer_idx]:
+                view.index_copy_(0, target_index, view.index_select(0, source_index))
+
+
+def release_pages_past(cache: Any, request_id: str, length: int) -> None:
+    """Gives back a request's pages past its first `length` positions (a step allocated pages for all its tokens)."""
+    for allocator in cache.cache_allocators.values():
+        table = allocator.block_table.get(request_id)
+        keep = -(-length // allocator.tokens_per_page)
+        if table is None or len(table) <= keep:
+            continue
+        spare = table[keep:]
+        del table[keep:]
+        cache.pool.free_blocks(allocator.index, [block for block in spare if allocator.ledger.release(block, True)])
+
+
+def mark_kept_blocks(cache: Any, state: RequestState, past: int) -> None:
+    """Registers for prefix sharing the pages a step completed with accepted entries only (not the whole step's)."""
+    kept_length = state.position_offset
+    complete = {}
+    for name, allocator in cache.cache_allocators.items():
+        page = allocator.tokens_per_page
+        count = kept_length // page - past // page
+        if count > 0:
+            complete[name] = count
+    if complete:
+        cache.mark_complete_blocks(state, complete)
+
+
+def check_continuous_batching_apis() -> list[str]:
+    """
+    What of Transformers' continuous batching this module relies on no longer matches the installed release: one
+    sentence per API that moved, empty when all are in place.
+    """
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.scheduler import Scheduler
+
+    problems = []
+
+    def expect(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(message)
+
+    def parameters(function: Any) -> list[str]:
+        return list(inspect.signature(function).parameters) if callable(function) else []
+
+    for name in ("prepare_next_batch", "_generation_step", "update_batch", "reset"):
+        expect(callable(getattr(ContinuousBatchProcessor, name, None)), f"`ContinuousBatchProcessor.{name}`")
+    expect(
+        parameters(ContinuousBatchProcessor._generation_step) == ["self", "model"],
+        "`ContinuousBatchProcessor._generation_step(self, model)` (overridden by `LookaheadBatchProcessor`)",
+    )
+    expect(
+        parameters(ContinuousBatchingManager._create_batch_processor) == ["self"],
+        "`ContinuousBatchingManager._create_batch_processor(self)` (overridden by the lookahead manager)",
+    )
+    expect(
+        "_requests_to_fork" in inspect.getsource(ContinuousBatchProcessor.update_batch),
+        "`ContinuousBatchProcessor.update_batch` handles forks and nothing else besides tokens (replaced whole)",
+    )
+    prepare = inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
+    expect(
+        "range(past_length, past_length + query_length)" in prepare and "build_attention_mask" in prepare,
+        "`ContinuousBatchingIOs.prepare_batch_tensors` lays a request's query tokens at consecutive positions under "
+        "a causal mask (what `LookaheadBatching.lay_out` rewrites)",
+    )
+    for name in (
+        "position_ids",
+        "cumulative_seqlens_q",
+        "cumulative_seqlens_k",
+        "attention_mask",
+        "requests_in_batch",
+    ):
+        expect(name in inspect.getsource(ContinuousBatchingIOs), f"`ContinuousBatchingIOs.{name}`")
+    expect(
+        parameters(FullAttentionCacheAllocator.get_write_indices)
+        == ["self", "request_id", "past_length", "query_length"]
+        and "_kv_token_views" in inspect.getsource(FullAttentionCacheAllocator.update),
+        "`FullAttentionCacheAllocator.get_write_indices` and `_kv_token_views` (used by `move_accepted_entries`)",
+    )
+    expect(
+        "block_table" in inspect.getsource(CacheAllocator.free_blocks)
+        and "ledger.release" in inspect.getsource(CacheAllocator.free_blocks),
+        "`CacheAllocator.block_table` and `ledger.release` (used by `release_pages_past`)",
+    )
+    state = RequestState(request_id="check", initial_tokens=[1, 2], max_new_tokens=2)
+    expect(
+        all(hasattr(state, name) for name in ("tokens_to_process", "position_offset", "generated_tokens"))
+        and TMP_TOKEN_ID is not None,
+        "`RequestState.tokens_to_process`, `position_offset` and `generated_tokens` (read and set per step)",
+    )
+    expect(
+        "state.tokens_to_process" in inspect.getsource(Scheduler._infer_request_tokens),
+        "`Scheduler._infer_request_tokens` schedules a decoding request's `tokens_to_process` (how a block reaches "
+        "the batch)",
+    )
+    return problems

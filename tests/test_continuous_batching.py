@@ -1,0 +1,307 @@
+"""
+Lookahead inside Transformers' continuous batching (`generate_batch`, `init_continuous_batching`): fp32 tokens
+identical to plain continuous batching, fewer forward passes, requests joining and stopping mid-step, the sampled
+distribution, the fallback to one-token steps under load, and the settings it refuses.
+"""
+
+import time
+import unittest
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+from transformers_lookahead import LookaheadState, enable_lookahead
+from transformers_lookahead.continuous_batching import (
+    LookaheadContinuousBatchingManager,
+    LookaheadGenerationOutput,
+    check_continuous_batching_apis,
+)
+from transformers_lookahead.cost_model import StepCostModel
+from utils.distribution_check import homogeneity_p_value
+
+from .test_verification import P_VALUE
+from .utils import SMALL_VOCABULARY, flat_step_costs, random_prompt, small_vocabulary_model, tiny_model
+
+LENGTHS = [3, 5, 9, 13, 20, 7]
+SHAPES = [{"lookahead_window": 4, "lookahead_ngram": 3}, {"lookahead_window": "auto"}]
+# A small engine: the default sizes its cache and its (tokens x cache) attention mask from the machine's memory,
+# which takes seconds to allocate for every `generate_batch` call.
+ENGINE = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512)
+# Past 8 tokens every token costs as much again: one request gets free room, 16 requests pay for every extra token.
+STEEP_AFTER_8 = {1: 1.0, 8: 1.0, 16: 2.0, 32: 4.0, 64: 8.0, 128: 16.0, 256: 32.0}
+
+
+def _prompts(count: int = len(LENGTHS)) -> list[list[int]]:
+    return [random_prompt(LENGTHS[i % len(LENGTHS)], seed=i)[0].tolist() for i in range(count)]
+
+
+def _config(max_new_tokens: int = 40, **settings) -> GenerationConfig:
+    settings = {"do_sample": False, "eos_token_id": -1, "pad_token_id": 0, **settings}
+    return GenerationConfig(max_new_tokens=max_new_tokens, **settings)
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_hook(self._count)
+
+    def _count(self, *_):
+        self.count += 1
+
+    def __enter__(self):
+        self.count = 0
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+class ContinuousBatchingExactnessTest(unittest.TestCase):
+    @parameterized.expand([("llama",), ("qwen2",)])
+    def test_identical_to_plain_generate_batch_in_fewer_passes(self, name):
+        model = enable_lookahead(tiny_model(name, "sdpa"))
+        counter = _ForwardCounter(model)
+        self.addCleanup(counter.handle.remove)
+        prompts = _prompts()
+        with counter:
+            plain = model.generate_batch(prompts, _config(), continuous_batching_config=ENGINE, progress_bar=False)
+        plain_passes = counter.count
+        self.assertEqual(len(plain), len(prompts))
+        expected = model.generate(torch.tensor([prompts[0]]), max_new_tokens=40, do_sample=False)
+        self.assertEqual(plain["req_0"].generated_tokens, expected[0, len(prompts[0]) :].tolist())
+        for settings in SHAPES:
+            with self.subTest(**settings), flat_step_costs(), counter:
+                out = model.generate_batch(
+                    prompts, _config(**settings), continuous_batching_config=ENGINE, progress_bar=False
+                )
+                self.assertEqual(list(out), list(plain))
+                for request_id, result in out.items():
+                    self.assertIsInstance(result, LookaheadGenerationOutput)
+                    self.assertEqual(result.generated_tokens, plain[request_id].generated_tokens, request_id)
+                    # The first token comes from the prefill; each later step accepted what it says.
+                    self.assertEqual(sum(result.accepted_per_step), len(result.generated_tokens) - 1)
+                self.assertLess(counter.count, plain_passes)
+                self.assertGreater(max(max(result.accepted_per_step) for result in out.values()), 1)
+
+    def test_requests_joining_at_different_times_with_their_own_limits(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        prompts = _prompts(7)
+        limits = [40, 17, 33, 5, 40, 26, 12]
+        expected = [
+            model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False)[0, len(prompt) :].tolist()
+            for prompt, limit in zip(prompts, limits)
+        ]
+        results = {}
+        with flat_step_costs():
+            manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
+            self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
+            manager.start()
+            try:
+                first = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:3], limits[:3])]
+                # The others join once the first requests are decoding.
+                while not results:
+                    result = manager.get_result(timeout=30)
+                    self.assertIsNotNone(result, "the engine stopped")
+                    results[result.request_id] = result
+                later = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[3:], limits[3:])]
+                while len(results) < len(prompts):
+                    result = manager.get_result(timeout=30)
+                    self.assertIsNotNone(result, "the engine stopped")
+                    results[result.request_id] = result
+            finally:
+                manager.stop(block=True, timeout=10)
+        for request_id, tokens in zip(first + later, expected):
+            self.assertIsNone(results[request_id].error)
+            self.assertEqual(results[request_id].generated_tokens, tokens, request_id)
+
+    def test_a_request_stopping_inside_a_multi_token_step(self):
+        model = enable_lookahead(tiny_model("qwen2", "sdpa"))
+        prompts = _prompts()
+        with flat_step_costs():
+            free = model.generate_batch(
+                prompts,
+                _config(lookahead_window=4, lookahead_ngram=3),
+                continuous_batching_config=ENGINE,
+                progress_bar=False,
+            )
+        # An EOS that falls inside a step that accepted several tokens, not at its last token, and not before.
+        request_id, stop = None, None
+        for candidate, result in free.items():
+            position = 1
+            for accepted in result.accepted_per_step:
+                tokens = result.generated_tokens
+                inside = [p for p in range(position, position + accepted - 1) if tokens[p] not in tokens[:p]]
+                if accepted > 1 and inside:
+                    request_id, stop = candidate, inside[0]
+                    break
+                position += accepted
+            if request_id is not None:
+                break
+        self.assertIsNotNone(request_id, "no multi-token step to stop inside")
+        eos = free[request_id].generated_tokens[stop]
+        plain = model.generate_batch(
+            prompts, _config(eos_token_id=eos), continuous_batching_config=ENGINE, progress_bar=False
+        )
+        with flat_step_costs():
+            out = model.generate_batch(
+                prompts,
+                _config(eos_token_id=eos, lookahead_window=4, lookahead_ngram=3),
+                continuous_batching_config=ENGINE,
+                progress_bar=False,
+            )
+        self.assertEqual(len(plain[request_id].generated_tokens), stop + 1, "plain decoding stops at the EOS")
+        for candidate in plain:
+            self.assertEqual(out[candidate].generated_tokens, plain[candidate].generated_tokens, candidate)
+
+    def test_streaming_sends_each_accepted_chunk(self):
+        # With eager attention, which the engine runs as paged eager.
+        model = enable_lookahead(tiny_model("llama", "eager"))
+        prompt = _prompts(5)[4]
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :]
+        with flat_step_costs():
+            manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
+            manager.start()
+            try:
+                request_id = manager.add_request(prompt, max_new_tokens=40, streaming=True)
+                sizes = []
+                for output in manager.request_id_iter(request_id):
+                    sizes.append(len(output.generated_tokens))
+            finally:
+                manager.stop(block=True, timeout=10)
+        self.assertEqual(sizes[-1], 40)
+        steps = [later - earlier for earlier, later in zip([0] + sizes, sizes)]
+        self.assertTrue(all(step >= 1 for step in steps))
+        self.assertGreater(max(steps), 1, "some streamed update carries a multi-token step")
+        self.assertEqual(output.generated_tokens, expected.tolist())
+
+
+class ContinuousBatchingLoadTest(unittest.TestCase):
+    def test_a_full_batch_takes_one_token_steps(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        steep = mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel(STEEP_AFTER_8))
+        prompts = [random_prompt(8, seed=100 + i)[0].tolist() for i in range(16)]
+        with steep:
+            alone = model.generate_batch(
+                prompts[:1],
+                _config(24, lookahead_window="auto"),
+                continuous_batching_config=ENGINE,
+                progress_bar=False,
+            )
+            full = model.generate_batch(
+                prompts, _config(24, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
+            )
+        plain = model.generate_batch(prompts, _config(24), continuous_batching_config=ENGINE, progress_bar=False)
+        self.assertGreater(max(alone["req_0"].accepted_per_step), 1, "a lone request verifies several tokens")
+        for request_id, result in full.items():
+            self.assertEqual(result.generated_tokens, plain[request_id].generated_tokens)
+            # All 16 prompts have one length and limit: they decode together, every step of a 16-request batch.
+            self.assertEqual(set(result.accepted_per_step), {1}, request_id)
+
+
+class ContinuousBatchingSamplingTest(unittest.TestCase):
+    def test_distribution_equals_plain_continuous_batching_sampling(self):
+        model = enable_lookahead(small_vocabulary_model())
+        model.set_attn_implementation("sdpa")
+        # A repetitive prompt: the pool and the context copy then propose candidates that often get accepted.
+        prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
+        runs, new_tokens = 1200, 5
+        counts = {}
+        for label, settings in (("plain", {}), ("lookahead", {"lookahead_window": 2, "lookahead_ngram": 3})):
+            config = GenerationConfig(
+                max_new_tokens=new_tokens, do_sample=True, temperature=0.7, eos_token_id=-1, pad_token_id=0, **settings
+            )
+            torch.manual_seed(0)
+            with flat_step_costs():
+                # 16 pages: about a dozen requests decode at once, so their blocks fit the token budget.
+                out = model.generate_batch(
+                    [prompt] * runs,
+                    config,
+                    continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=512),
+                    progress_bar=False,
+                )
+            tokens = torch.tensor([result.generated_tokens for result in out.values()])
+            counts[label] = torch.stack(
+                [torch.bincount(tokens[:, t], minlength=SMALL_VOCABULARY) for t in range(new_tokens)]
+            )
+            if label == "lookahead":
+                multi = sum(max(result.accepted_per_step) > 1 for result in out.values())
+                self.assertGreater(multi, runs // 20, "the test must exercise multi-token acceptance")
+        for position in range(new_tokens):
+            with self.subTest(position=position):
+                p_value = homogeneity_p_value(counts["plain"][position], counts["lookahead"][position])
+                self.assertGreater(p_value, P_VALUE)
+
+
+class ContinuousBatchingSetupTest(unittest.TestCase):
+    def test_lookahead_off_is_the_stock_engine(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        for config in (_config(), _config(lookahead_window="off")):
+            manager = model.init_continuous_batching(config)
+            self.assertIs(type(manager), ContinuousBatchingManager)
+
+    @parameterized.expand(
+        [
+            ("sliding_layers", "gemma3", {}, {}, "full-attention layers only"),
+            ("scheduler", "llama", {"scheduler_type": "prefill_first"}, {}, "scheduler_type='fifo'"),
+            ("async", "llama", {"use_async_batching": True}, {}, "use_async_batching=False"),
+            (
+                "return_sequences",
+                "llama",
+                {},
+                {"num_return_sequences": 2, "do_sample": True},
+                "num_return_sequences=1",
+            ),
+            ("per_request", "llama", {"per_request_processors": True}, {}, "per_request_processors=False"),
+        ]
+    )
+    def test_refuses_what_it_cannot_serve_before_anything_runs(self, _, name, engine, generation, message):
+        model = enable_lookahead(tiny_model(name, "sdpa"))
+        counter = _ForwardCounter(model)
+        self.addCleanup(counter.handle.remove)
+        with counter, self.assertRaises(ValueError) as raised:
+            model.generate_batch(
+                [[1, 2, 3]],
+                _config(lookahead_window=4, **generation),
+                continuous_batching_config=ContinuousBatchingConfig(**engine),
+                progress_bar=False,
+            )
+        self.assertIn(message, str(raised.exception))
+        self.assertIn('lookahead_window="off"', str(raised.exception))
+        self.assertEqual(counter.count, 0)
+
+    def test_refuses_a_backend_without_masks(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model.config._attn_implementation = "flash_attention_2"
+        with self.assertRaises(ValueError) as raised:
+            model.init_continuous_batching(_config(lookahead_window=4), ENGINE)
+        self.assertIn("attn_implementation='sdpa'", str(raised.exception))
+
+    def test_the_continuous_batching_internals_it_relies_on_are_in_place(self):
+        self.assertEqual(check_continuous_batching_apis(), [])
+
+    def test_engine_time_is_not_spent_on_requests_that_left(self):
+        # A cancelled request's lookahead is dropped at the next step.
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        with flat_step_costs():
+            manager = model.init_continuous_batching(_config(200, lookahead_window="auto"), ENGINE)
+            manager.start()
+            try:
+                request_id = manager.add_request(_prompts(1)[0], max_new_tokens=200, streaming=True)
+                for output in manager.request_id_iter(request_id):
+                    if len(output.generated_tokens) > 5:
+                        break
+                manager.cancel_request(request_id)
+                kept = manager.add_request(_prompts(2)[1], max_new_tokens=10)
+                while (result := manager.get_result(timeout=30)) is not None and result.request_id != kept:
+                    pass
+                self.assertIsNotNone(result)
+                deadline = time.time() + 10
+                while request_id in manager.batch_processor.lookahead.requests and time.time() < deadline:
+                    time.sleep(0.05)
+                self.assertNotIn(request_id, manager.batch_processor.lookahead.requests)
+            finally:
+                manager.stop(block=True, timeout=10)

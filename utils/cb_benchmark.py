@@ -1,0 +1,248 @@
+"""
+`utils/benchmark.py --continuous-batching`: Transformers' continuous batching with and without lookahead, and
+lookahead `generate` serving one request at a time, at several numbers of concurrent requests.
+
+Each level replays the same prompts as a closed loop of `concurrency` clients: every client sends its next prompt as
+soon as its previous answer is complete. The three engines run interleaved per level and repeat. Reported per level
+and engine: generated tokens per second over the level's wall time, per-request latency (p50, p95) and time to the
+first token (p50, p95), and whether every greedy answer equals plain continuous batching's.
+
+`generate_one_at_a_time` serves the same closed loop with one `model.generate` call at a time: a request waits for
+the ones before it, so its latency and time to first token include that wait.
+
+Both engines get the same size (`ENGINE_BLOCKS` pages of 256 tokens, `ENGINE_BATCH_TOKENS` tokens per forward pass):
+by default each would size its cache from the machine's free memory, and two of them do not fit side by side.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+ENGINES = ("plain_cb", "lookahead_cb", "generate_one_at_a_time")
+# 16 requests of up to ~1000 tokens each, and room for prefill chunks beside 16 decoding requests' blocks.
+ENGINE_BLOCKS = 80
+ENGINE_BATCH_TOKENS = 1024
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+
+
+def _config(tokenizer, max_new_tokens: int, lookahead: bool) -> GenerationConfig:
+    settings = {"lookahead_window": "auto"} if lookahead else {"lookahead_window": "off"}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad_id,
+        **settings,
+    )
+
+
+def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
+    """Replays `prompts` through a running manager with `concurrency` requests in flight."""
+    waiting = deque(enumerate(prompts))
+    in_flight, answers, latency, first_token = {}, {}, {}, {}
+    start = time.perf_counter()
+
+    def submit() -> None:
+        index, prompt = waiting.popleft()
+        request_id = manager.add_request(prompt, max_new_tokens=max_new_tokens, record_timestamps=True)
+        in_flight[request_id] = (index, time.perf_counter())
+
+    while waiting and len(in_flight) < concurrency:
+        submit()
+    while in_flight:
+        result = manager.get_result(timeout=600)
+        if result is None:
+            raise RuntimeError("the continuous-batching engine stopped")
+        if not result.is_finished() or result.request_id not in in_flight:
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+        index, sent = in_flight.pop(result.request_id)
+        done = time.perf_counter()
+        answers[index] = list(result.generated_tokens)
+        latency[index] = done - sent
+        stamps = result.timestamps or [done]
+        first_token[index] = stamps[0] - sent
+        if waiting:
+            submit()
+    return {
+        "seconds": time.perf_counter() - start,
+        "answers": [answers[i] for i in range(len(prompts))],
+        "latency": [latency[i] for i in range(len(prompts))],
+        "first_token": [first_token[i] for i in range(len(prompts))],
+    }
+
+
+class _FirstToken:
+    """A streamer that notes when `generate` produced its first new token."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, max_new_tokens: int, config) -> dict:
+    """The same closed loop served by one `generate` call at a time (the clients' requests queue up)."""
+    waiting = deque(enumerate(prompts))
+    queue = deque()
+    clock = time.perf_counter()
+    start = clock
+    answers, latency, first_token = {}, {}, {}
+    for _ in range(min(concurrency, len(prompts))):
+        queue.append((*waiting.popleft(), clock))
+    while queue:
+        index, prompt, sent = queue.popleft()
+        streamer = _FirstToken()
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, generation_config=config, streamer=streamer, max_new_tokens=max_new_tokens)
+        done = time.perf_counter()
+        answers[index] = out[0, len(prompt) :].tolist()
+        if config.eos_token_id is not None and config.eos_token_id in answers[index]:
+            answers[index] = answers[index][: answers[index].index(config.eos_token_id) + 1]
+        latency[index] = done - sent
+        first_token[index] = (streamer.first or done) - sent
+        if waiting:
+            queue.append((*waiting.popleft(), done))
+    return {
+        "seconds": time.perf_counter() - start,
+        "answers": [answers[i] for i in range(len(prompts))],
+        "latency": [latency[i] for i in range(len(prompts))],
+        "first_token": [first_token[i] for i in range(len(prompts))],
+    }
+
+
+def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
+    """
+    Every level of `args.concurrency`, `args.repeats` times, the three engines interleaved.
+
+    Args:
+        args: the benchmark's arguments (`concurrency`, `repeats`, `max_new_tokens`).
+        model: the model, with lookahead enabled (`enable_lookahead`).
+        tokenizer: its tokenizer.
+        prompts: `(prompt_id, category, input_ids, length)` per prompt, as `benchmark._prompts` gives them.
+    """
+    from tqdm.auto import tqdm
+
+    ids = [item[2][0].tolist() for item in prompts]
+    plain_config = _config(tokenizer, args.max_new_tokens, lookahead=False)
+    lookahead_config = _config(tokenizer, args.max_new_tokens, lookahead=True)
+    managers = {
+        name: model.init_continuous_batching(
+            config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
+        )
+        for name, config in (("plain_cb", plain_config), ("lookahead_cb", lookahead_config))
+    }
+    for manager in managers.values():
+        manager.start()
+    runs = []
+    try:
+        # Warm-up: the lookahead engine measures its cost table on its first request.
+        for manager in managers.values():
+            _serve_closed_loop(manager, ids[:2], 2, 8)
+        _generate_closed_loop(model, ids[:1], 1, 8, lookahead_config)
+        progress = tqdm(total=len(args.concurrency) * args.repeats * len(ENGINES), desc="continuous batching")
+        for concurrency in args.concurrency:
+            for repeat in range(args.repeats):
+                for engine in ENGINES:
+                    if engine == "generate_one_at_a_time":
+                        run = _generate_closed_loop(model, ids, concurrency, args.max_new_tokens, lookahead_config)
+                    else:
+                        run = _serve_closed_loop(managers[engine], ids, concurrency, args.max_new_tokens)
+                    runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
+                    progress.update()
+        progress.close()
+    finally:
+        for manager in managers.values():
+            manager.stop(block=True, timeout=30)
+    return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
+
+
+def summarize_continuous_batching(result: dict) -> list[dict]:
+    """Per level and engine: medians over repeats of tokens/s, and percentiles over all requests of all repeats."""
+    rows = []
+    for concurrency in sorted({run["concurrency"] for run in result["runs"]}):
+        level = [run for run in result["runs"] if run["concurrency"] == concurrency]
+        reference = next(run["answers"] for run in level if run["engine"] == "plain_cb")
+        plain_rate = None
+        for engine in ENGINES:
+            runs = [run for run in level if run["engine"] == engine]
+            tokens = sum(len(answer) for answer in runs[0]["answers"])
+            rate = statistics.median(sum(len(a) for a in run["answers"]) / run["seconds"] for run in runs)
+            plain_rate = rate if engine == "plain_cb" else plain_rate
+            latency = [value for run in runs for value in run["latency"]]
+            first = [value for run in runs for value in run["first_token"]]
+            identical = sum(answer == expected for run in runs for answer, expected in zip(run["answers"], reference))
+            rows.append(
+                {
+                    "concurrency": concurrency,
+                    "engine": engine,
+                    "tokens": tokens,
+                    "tokens_per_s": rate,
+                    "speedup_vs_plain_cb": rate / plain_rate,
+                    "latency_p50": _percentile(latency, 0.5),
+                    "latency_p95": _percentile(latency, 0.95),
+                    "first_token_p50": _percentile(first, 0.5),
+                    "first_token_p95": _percentile(first, 0.95),
+                    "identical": identical,
+                    "answers": sum(len(run["answers"]) for run in runs),
+                }
+            )
+    return rows
+
+
+def format_continuous_batching_table(rows: list[dict], result: dict | None = None) -> str:
+    header = (
+        f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'latency p50/p95 (s)':>20} "
+        f"{'first token p50/p95 (s)':>24} {'same as plain CB':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['concurrency']:>7} {row['engine']:<24} {row['tokens_per_s']:>7.1f} "
+            f"{row['speedup_vs_plain_cb']:>10.2f}x {row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f} "
+            f"{row['first_token_p50']:>11.2f} / {row['first_token_p95']:<10.2f} "
+            f"{row['identical']:>8}/{row['answers']}"
+        )
+    return "\n".join(lines)
+
+
+def plot_continuous_batching(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for engine in ENGINES:
+        mine = [row for row in rows if row["engine"] == engine]
+        axis.plot(
+            [row["concurrency"] for row in mine], [row["tokens_per_s"] for row in mine], marker="o", label=engine
+        )
+    levels = sorted({row["concurrency"] for row in rows})
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(levels, [str(level) for level in levels])
+    axis.set_xlabel("concurrent requests")
+    axis.set_ylabel("generated tokens / s")
+    axis.set_title("Continuous batching throughput")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
