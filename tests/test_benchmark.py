@@ -19,6 +19,13 @@ from utils.benchmark import (
     summarize_batched,
     summarize_sampling,
 )
+from utils.cb_benchmark import ENGINES as CB_ENGINES
+from utils.cb_benchmark import (
+    engine_config,
+    format_continuous_batching_table,
+    run_continuous_batching,
+    summarize_continuous_batching,
+)
 from utils.faithfulness import (
     DEPARTURE_METHODS,
     _step_offset,
@@ -419,3 +426,54 @@ class QualityHarnessTest(unittest.TestCase):
         self.assertEqual((rows["greedy"]["passed"], rows["greedy"]["pass_at_1"]), (2, 1.0))
         self.assertEqual((rows["lookahead_auto"]["passed"], rows["lookahead_auto"]["pass_at_1"]), (1, 0.5))
         self.assertIn("| lookahead_auto | 1 / 2 | 0.500 | 0 / 2 |", format_quality_table(list(rows.values()), result))
+
+
+class ContinuousBatchingBenchmarkTest(unittest.TestCase):
+    def test_closed_loop_on_a_tiny_model_and_its_summary(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+        prompts = [(f"p{i}", "x", random_prompt(6 + i, seed=i), 6 + i) for i in range(3)]
+        args = SimpleNamespace(concurrency=[1, 2], repeats=1, max_new_tokens=12)
+        with flat_step_costs():
+            result = run_continuous_batching(args, model, tokenizer, prompts)
+        self.assertEqual(len(result["runs"]), 2 * len(CB_ENGINES))
+        rows = summarize_continuous_batching(result)
+        self.assertEqual(
+            [(row["concurrency"], row["engine"]) for row in rows], [(c, e) for c in (1, 2) for e in CB_ENGINES]
+        )
+        for row in rows:
+            # fp32, greedy: every engine's answers are plain continuous batching's.
+            self.assertEqual(row["identical"], 3, row["engine"])
+            self.assertEqual(row["tokens"], 3 * 12)
+            self.assertLessEqual(row["first_token_p50"], row["latency_p50"])
+        self.assertEqual({row["speedup_vs_plain_cb"] for row in rows if row["engine"] == "plain_cb"}, {1.0})
+        self.assertIn("lookahead_cb", format_continuous_batching_table(rows))
+        # Levels and repeats replay the same prompts: a suffix memory would answer them from the run before.
+        self.assertFalse(engine_config(tokenizer, 12, lookahead=True).lookahead_memory)
+        self.assertEqual(engine_config(tokenizer, 12, lookahead=False).lookahead_window, "off")
+
+    def test_summary_ratios_and_percentiles(self):
+        def run(engine, seconds, latency, answers=((1, 2), (3, 4))):
+            return {
+                "engine": engine,
+                "concurrency": 4,
+                "repeat": 0,
+                "seconds": seconds,
+                "answers": [list(answer) for answer in answers],
+                "latency": latency,
+                "first_token": [value / 2 for value in latency],
+            }
+
+        result = {
+            "runs": [
+                run("plain_cb", 2.0, [1.0, 3.0]),
+                run("lookahead_cb", 1.0, [0.5, 1.5]),
+                run("generate_one_at_a_time", 4.0, [2.0, 4.0], answers=((1, 2), (3, 5))),
+            ]
+        }
+        rows = {row["engine"]: row for row in summarize_continuous_batching(result)}
+        self.assertEqual(rows["plain_cb"]["tokens_per_s"], 2.0)
+        self.assertEqual(rows["lookahead_cb"]["speedup_vs_plain_cb"], 2.0)
+        self.assertEqual(rows["generate_one_at_a_time"]["speedup_vs_plain_cb"], 0.5)
+        self.assertEqual(rows["generate_one_at_a_time"]["identical"], 1)
+        self.assertEqual((rows["lookahead_cb"]["latency_p50"], rows["lookahead_cb"]["latency_p95"]), (1.0, 1.5))

@@ -305,3 +305,34 @@ class ContinuousBatchingSetupTest(unittest.TestCase):
                 self.assertNotIn(request_id, manager.batch_processor.lookahead.requests)
             finally:
                 manager.stop(block=True, timeout=10)
+
+
+class ProposedServingHookTest(unittest.TestCase):
+    def test_a_model_folder_bound_as_the_upstream_proposal_binds_it(self):
+        # Stock `from_pretrained` binds the folder's `generate`; the proposal also binds the same file's
+        # `init_continuous_batching`, which is what `transformers serve --continuous-batching` calls.
+        import functools
+        import sys
+        import tempfile
+
+        from transformers import AutoModelForCausalLM
+
+        from transformers_lookahead import save_lookahead_model
+
+        with tempfile.TemporaryDirectory() as folder:
+            save_lookahead_model(tiny_model("qwen2", "sdpa"), folder, lookahead_window=4, lookahead_ngram=3)
+            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, attn_implementation="sdpa")
+        entry = sys.modules[model.generate.func.__module__]
+        self.assertIs(type(model.init_continuous_batching(_config(), ENGINE)), ContinuousBatchingManager)
+        model.init_continuous_batching = functools.partial(entry.init_continuous_batching, model=model)
+        prompts = _prompts(4)
+        plain = model.generate_batch(
+            prompts, _config(lookahead_window="off"), continuous_batching_config=ENGINE, progress_bar=False
+        )
+        out = model.generate_batch(prompts, _config(), continuous_batching_config=ENGINE, progress_bar=False)
+        for request_id, result in out.items():
+            # The folder's own copy of the package's modules made it (a class of the same name, not this one).
+            self.assertEqual(type(result).__name__, LookaheadGenerationOutput.__name__)
+            self.assertIsNot(type(result), LookaheadGenerationOutput)
+            self.assertEqual(result.generated_tokens, plain[request_id].generated_tokens)
+        self.assertGreater(max(max(result.accepted_per_step) for result in out.values()), 1)

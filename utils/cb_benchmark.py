@@ -10,6 +10,9 @@ first token (p50, p95), and whether every greedy answer equals plain continuous 
 `generate_one_at_a_time` serves the same closed loop with one `model.generate` call at a time: a request waits for
 the ones before it, so its latency and time to first token include that wait.
 
+Lookahead runs without its suffix memory (`lookahead_memory=False`): the levels and repeats replay the same
+prompts, and a memory would answer each from the one before (`--memory` measures the memory on its own).
+
 Both engines get the same size (`ENGINE_BLOCKS` pages of 256 tokens, `ENGINE_BATCH_TOKENS` tokens per forward pass):
 by default each would size its cache from the machine's free memory, and two of them do not fit side by side.
 """
@@ -31,13 +34,16 @@ ENGINE_BLOCKS = 80
 ENGINE_BATCH_TOKENS = 1024
 
 
-def _percentile(values: list[float], share: float) -> float:
+def _p95(values: list[float]) -> float:
+    """The nearest-rank 95th percentile."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, -(-95 * len(ordered) // 100) - 1)]
 
 
-def _config(tokenizer, max_new_tokens: int, lookahead: bool) -> GenerationConfig:
-    settings = {"lookahead_window": "auto"} if lookahead else {"lookahead_window": "off"}
+def engine_config(tokenizer, max_new_tokens: int, lookahead: bool) -> GenerationConfig:
+    """Greedy, the tokenizer's EOS; `lookahead_window="auto"` without the suffix memory, or lookahead off."""
+    # No suffix memory: every level and repeat replays the same prompts, which a memory would answer from the last.
+    settings = {"lookahead_window": "auto", "lookahead_memory": False} if lookahead else {"lookahead_window": "off"}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -100,7 +106,7 @@ class _FirstToken:
         pass
 
 
-def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, max_new_tokens: int, config) -> dict:
+def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, config: GenerationConfig) -> dict:
     """The same closed loop served by one `generate` call at a time (the clients' requests queue up)."""
     waiting = deque(enumerate(prompts))
     queue = deque()
@@ -113,7 +119,7 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, max
         index, prompt, sent = queue.popleft()
         streamer = _FirstToken()
         ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, generation_config=config, streamer=streamer, max_new_tokens=max_new_tokens)
+        out = model.generate(ids, generation_config=config, streamer=streamer)
         done = time.perf_counter()
         answers[index] = out[0, len(prompt) :].tolist()
         if config.eos_token_id is not None and config.eos_token_id in answers[index]:
@@ -143,8 +149,8 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     from tqdm.auto import tqdm
 
     ids = [item[2][0].tolist() for item in prompts]
-    plain_config = _config(tokenizer, args.max_new_tokens, lookahead=False)
-    lookahead_config = _config(tokenizer, args.max_new_tokens, lookahead=True)
+    plain_config = engine_config(tokenizer, args.max_new_tokens, lookahead=False)
+    lookahead_config = engine_config(tokenizer, args.max_new_tokens, lookahead=True)
     managers = {
         name: model.init_continuous_batching(
             config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
@@ -158,13 +164,13 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
         # Warm-up: the lookahead engine measures its cost table on its first request.
         for manager in managers.values():
             _serve_closed_loop(manager, ids[:2], 2, 8)
-        _generate_closed_loop(model, ids[:1], 1, 8, lookahead_config)
+        _generate_closed_loop(model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
         progress = tqdm(total=len(args.concurrency) * args.repeats * len(ENGINES), desc="continuous batching")
         for concurrency in args.concurrency:
             for repeat in range(args.repeats):
                 for engine in ENGINES:
                     if engine == "generate_one_at_a_time":
-                        run = _generate_closed_loop(model, ids, concurrency, args.max_new_tokens, lookahead_config)
+                        run = _generate_closed_loop(model, ids, concurrency, lookahead_config)
                     else:
                         run = _serve_closed_loop(managers[engine], ids, concurrency, args.max_new_tokens)
                     runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
@@ -198,10 +204,10 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
                     "tokens": tokens,
                     "tokens_per_s": rate,
                     "speedup_vs_plain_cb": rate / plain_rate,
-                    "latency_p50": _percentile(latency, 0.5),
-                    "latency_p95": _percentile(latency, 0.95),
-                    "first_token_p50": _percentile(first, 0.5),
-                    "first_token_p95": _percentile(first, 0.95),
+                    "latency_p50": statistics.median(latency),
+                    "latency_p95": _p95(latency),
+                    "first_token_p50": statistics.median(first),
+                    "first_token_p95": _p95(first),
                     "identical": identical,
                     "answers": sum(len(run["answers"]) for run in runs),
                 }

@@ -144,8 +144,8 @@ class LookaheadBatching:
 
     Each step: `plan` gives every decoding request its block (before Transformers' scheduler runs, which then budgets
     and pages the block like any query tokens), `lay_out` writes the blocks' positions and masks over what
-    Transformers prepared and says which rows need logits, and `settle` verifies each request, appends what it
-    accepted, moves the accepted KV entries into place and gives back the pages past them.
+    Transformers prepared and says which rows need logits, `settle` verifies each request and appends what it
+    accepted, and `commit` moves the accepted KV entries into place and gives back the pages past them.
 
     With `lookahead_window="auto"` a step is priced as one forward pass of the whole batch: the step settles on one
     length per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly

@@ -26,8 +26,8 @@ class LookaheadGenerationMixin:
     With `lookahead_window` set (as a `generate` argument, in the `generation_config` passed to it, or in the model's
     own `generation_config`), `generate` prepares its inputs as usual and then decodes with
     `transformers_lookahead.generate`, and continuous batching (`init_continuous_batching`, `generate_batch`) runs
-    lookahead steps (see `continuous_batching.py`). Without it, both are untouched. `save_pretrained` keeps the `lookahead_*`
-    fields of the model's generation config.
+    lookahead steps (see `continuous_batching.py`). Without it, both are untouched. `save_pretrained` keeps the
+    `lookahead_*` fields of the model's generation config.
 
     For a model that is already loaded, `enable_lookahead(model)` gives its `generate` the same behaviour.
     """

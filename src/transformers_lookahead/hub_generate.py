@@ -57,6 +57,20 @@ def generate(*args: Any, model: PreTrainedModel, **kwargs: Any):
         raise RequestSettingsError(str(error)) from error
 
 
+def init_continuous_batching(*args: Any, model: PreTrainedModel, **kwargs: Any):
+    """
+    `init_continuous_batching` with lookahead steps (see `continuous_batching.py`), for the upstream hook the guide
+    proposes: stock Transformers binds only a folder's `generate` today, so `transformers serve --continuous-batching`
+    does not reach this yet. Bound like `generate` (`functools.partial(init_continuous_batching, model=...)`), it
+    would also serve `generate_batch` and the served engine.
+    """
+    from .continuous_batching import init_continuous_batching_with_lookahead
+
+    if "lookahead_state" not in vars(model):
+        vars(model).setdefault("lookahead_state", LookaheadState())
+    return init_continuous_batching_with_lookahead(model, *args, **kwargs)
+
+
 if HTTPException is not None:
 
     class RequestSettingsError(ValueError, HTTPException):
