@@ -18,6 +18,7 @@ STRATEGY_MODULES = {
     "cache_commit",
     "compatibility",
     "configuration_lookahead",
+    "continuous_batching",
     "cost_model",
     "generation_mixin",
     "hub_generate",

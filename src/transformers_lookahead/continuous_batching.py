@@ -72,6 +72,7 @@ class LookaheadGenerationOutput(GenerationOutput):
     accepted_per_step: list[int] = field(default_factory=list)
 
 
+@dataclass
 class RequestLookahead:
     """
     One request's lookahead: its text, n-gram pool, window, step policy, context index and verifier. It has what
@@ -79,33 +80,24 @@ class RequestLookahead:
     `context`, `policy`).
 
     Args:
-        tokens (`list[int]`): the prompt.
+        tokens (`list[int]`): the prompt, then every token accepted so far.
         limit (`int`): the longest the text may grow (prompt + `max_new_tokens`).
         pool (`NGramPool`): its candidate n-grams.
         window (`LookaheadWindow`, *optional*): its Jacobi window (drawn once the prefill gave the first token).
         policy (`StaticStepPolicy` or `AdaptiveStepPolicy`): what goes into each of its steps.
         context (`ContextIndex`, *optional*): where its text repeats itself.
         verifier (`GreedyVerifier`): how its candidates are checked (greedy or sampling).
+        accepted (`list[int]`): the tokens each of its steps accepted.
     """
 
-    def __init__(
-        self,
-        tokens: list[int],
-        limit: int,
-        pool: NGramPool,
-        window: LookaheadWindow | None,
-        policy: StaticStepPolicy | AdaptiveStepPolicy,
-        context: ContextIndex | None,
-        verifier: GreedyVerifier,
-    ):
-        self.tokens = tokens
-        self.limit = limit
-        self.pool = pool
-        self.window = window
-        self.policy = policy
-        self.context = context
-        self.verifier = verifier
-        self.accepted: list[int] = []
+    tokens: list[int]
+    limit: int
+    pool: NGramPool
+    window: LookaheadWindow | None
+    policy: StaticStepPolicy | AdaptiveStepPolicy
+    context: ContextIndex | None
+    verifier: GreedyVerifier
+    accepted: list[int] = field(default_factory=list)
 
     @property
     def length(self) -> int:
