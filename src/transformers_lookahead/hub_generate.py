@@ -45,9 +45,7 @@ def generate(*args: Any, model: PreTrainedModel, **kwargs: Any):
         `ValueError` for a refused setting; under a Starlette server (`transformers serve`) one that the server
         answers with HTTP 422 and the message.
     """
-    if "lookahead_state" not in vars(model):
-        # `setdefault` on the instance dict is atomic: two first requests at once agree on one state.
-        vars(model).setdefault("lookahead_state", LookaheadState())
+    _keep_state(model)
     try:
         return generate_with_lookahead(model, *args, defaults=HUB_DEFAULTS, **kwargs)
     except ValueError as error:
@@ -66,9 +64,15 @@ def init_continuous_batching(*args: Any, model: PreTrainedModel, **kwargs: Any):
     """
     from .continuous_batching import init_continuous_batching_with_lookahead
 
-    if "lookahead_state" not in vars(model):
-        vars(model).setdefault("lookahead_state", LookaheadState())
+    _keep_state(model)
     return init_continuous_batching_with_lookahead(model, *args, **kwargs)
+
+
+def _keep_state(model: PreTrainedModel) -> None:
+    """Gives the model its one `LookaheadState` on its first call through this entry point."""
+    if "lookahead_state" not in vars(model):
+        # `setdefault` on the instance dict is atomic: two first requests at once agree on one state.
+        vars(model).setdefault("lookahead_state", LookaheadState())
 
 
 if HTTPException is not None:
