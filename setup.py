@@ -24,7 +24,7 @@ setup(
     package_dir={"": "src"},
     packages=find_packages("src"),
     python_requires=">=3.11",
-    install_requires=[_requirement("torch"), _requirement("transformers"), "safetensors"],
+    install_requires=[_requirement("torch"), _requirement("transformers"), "safetensors", "numpy"],
     extras_require={
         # `transformers[serving]` brings `transformers serve` and the `openai` client the serving tests use.
         "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm", "transformers[serving]"],

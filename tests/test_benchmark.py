@@ -446,7 +446,15 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
             self.assertEqual(row["identical"], 3, row["engine"])
             self.assertEqual(row["tokens"], 3 * 12)
             self.assertLessEqual(row["first_token_p50"], row["latency_p50"])
+            self.assertLess(0, row["forward_ms"])
+            self.assertLess(row["forward_ms"], row["pass_ms"])
         self.assertEqual({row["speedup_vs_plain_cb"] for row in rows if row["engine"] == "plain_cb"}, {1.0})
+        per_forward = {(row["concurrency"], row["engine"]): row["tokens_per_forward"] for row in rows}
+        for concurrency in (1, 2):
+            self.assertEqual(per_forward[concurrency, "plain_cb"], 1.0)
+            # Flat costs: both lookahead engines verify several tokens per pass on these repetitive random prompts.
+            self.assertGreater(per_forward[concurrency, "lookahead_cb"], 1.0)
+            self.assertGreater(per_forward[concurrency, "generate_one_at_a_time"], 1.0)
         self.assertIn("lookahead_cb", format_continuous_batching_table(rows))
         # Levels and repeats replay the same prompts: a suffix memory would answer them from the run before.
         self.assertFalse(engine_config(tokenizer, 12, lookahead=True).lookahead_memory)
@@ -462,6 +470,9 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
                 "answers": [list(answer) for answer in answers],
                 "latency": latency,
                 "first_token": [value / 2 for value in latency],
+                "forwards": [2, 1],
+                "forward_passes": 4,
+                "forward_seconds": seconds / 2,
             }
 
         result = {
@@ -476,4 +487,6 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         self.assertEqual(rows["lookahead_cb"]["speedup_vs_plain_cb"], 2.0)
         self.assertEqual(rows["generate_one_at_a_time"]["speedup_vs_plain_cb"], 0.5)
         self.assertEqual(rows["generate_one_at_a_time"]["identical"], 1)
+        self.assertEqual(rows["plain_cb"]["tokens_per_forward"], 4 / 3)
+        self.assertEqual((rows["plain_cb"]["pass_ms"], rows["plain_cb"]["forward_ms"]), (500.0, 250.0))
         self.assertEqual((rows["lookahead_cb"]["latency_p50"], rows["lookahead_cb"]["latency_p95"]), (1.0, 1.5))

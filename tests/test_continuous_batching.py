@@ -15,6 +15,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 from transformers_lookahead import LookaheadState, enable_lookahead
+from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.continuous_batching import (
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
@@ -179,10 +180,31 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
         self.assertEqual(output.generated_tokens, expected.tolist())
 
 
+class _SlowPasses:
+    """
+    Makes every forward pass of a model take `fixed` seconds more, plus `per_token` seconds for each query token
+    past `free_tokens`: an engine whose passes cost what the test says, whatever this machine's speed. Records each
+    pass's query tokens.
+    """
+
+    def __init__(self, model, fixed: float = 0.0, per_token: float = 0.0, free_tokens: int = 0):
+        self.fixed, self.per_token, self.free_tokens = fixed, per_token, free_tokens
+        self.queries: list[int] = []
+        self.handle = model.register_forward_pre_hook(self._wait, with_kwargs=True)
+
+    def _wait(self, module, args, kwargs):
+        queries = kwargs["input_ids"].shape[-1]
+        self.queries.append(queries)
+        time.sleep(self.fixed + self.per_token * max(0, queries - self.free_tokens))
+
+
 class ContinuousBatchingLoadTest(unittest.TestCase):
     def test_a_full_batch_takes_one_token_steps(self):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
+        # The cost table and the engine's passes agree: past 8 query tokens, each token costs as much again.
         steep = mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel(STEEP_AFTER_8))
+        slow = _SlowPasses(model, fixed=0.004, per_token=0.004, free_tokens=8)
+        self.addCleanup(slow.handle.remove)
         prompts = [random_prompt(8, seed=100 + i)[0].tolist() for i in range(16)]
         with steep:
             alone = model.generate_batch(
@@ -194,12 +216,41 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
             full = model.generate_batch(
                 prompts, _config(24, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
             )
+        slow.handle.remove()
         plain = model.generate_batch(prompts, _config(24), continuous_batching_config=ENGINE, progress_bar=False)
         self.assertGreater(max(alone["req_0"].accepted_per_step), 1, "a lone request verifies several tokens")
         for request_id, result in full.items():
             self.assertEqual(result.generated_tokens, plain[request_id].generated_tokens)
             # All 16 prompts have one length and limit: they decode together, every step of a 16-request batch.
             self.assertEqual(set(result.accepted_per_step), {1}, request_id)
+
+    @parameterized.expand(
+        [
+            # Every query token costs 5 ms: the engine learns that a long step costs what its tokens cost.
+            ("tokens_cost", {"per_token": 0.005}, False),
+            # 40 ms a pass whatever it holds: extra tokens are about free.
+            ("passes_cost", {"fixed": 0.04}, True),
+        ]
+    )
+    def test_the_engine_prices_steps_by_its_own_passes(self, _, slowness, verifies_several):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        prompt = random_prompt(8, seed=7)[0].tolist()
+        with flat_step_costs():
+            # The table says every step length costs one token: only the engine's own passes tell otherwise.
+            slow = _SlowPasses(model, **slowness)
+            self.addCleanup(slow.handle.remove)
+            out = model.generate_batch(
+                [prompt], _config(64, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
+            )
+        self.assertEqual(len(out["req_0"].generated_tokens), 64)
+        # The prefill, then `engine_passes_needed` passes priced by the table, then by the engine's fit.
+        learnt = slow.queries[1 + AUTO_TUNING.engine_passes_needed :]
+        self.assertGreater(len(learnt), 4)
+        self.assertGreater(max(slow.queries[1 : 1 + AUTO_TUNING.engine_passes_needed]), 1, "the table's steps")
+        if verifies_several:
+            self.assertGreater(max(learnt), 1)
+        else:
+            self.assertEqual(set(learnt), {1})
 
 
 class ContinuousBatchingSamplingTest(unittest.TestCase):

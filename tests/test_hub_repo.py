@@ -31,8 +31,8 @@ from utils.stock_venv import run_in_stock_venv, stock_python
 # Runs in the stock venv as a Hub user would.
 STOCK_USER = Path(__file__).with_name("stock_user.py")
 # What the folder's code may import besides itself: the standard library, and what its requirements name (with
-# safetensors, a Transformers dependency, and starlette, imported only where it is installed).
-ALLOWED_IMPORTS = set(sys.stdlib_module_names) | {"torch", "transformers", "safetensors", "starlette"}
+# safetensors and numpy, Transformers dependencies, and starlette, imported only where it is installed).
+ALLOWED_IMPORTS = set(sys.stdlib_module_names) | {"torch", "transformers", "safetensors", "numpy", "starlette"}
 README_SECTIONS = [
     "## Description",
     "## Base model",

@@ -8,6 +8,7 @@ from unittest import mock
 
 from transformers_lookahead.cost_model import (
     COST_DIR_VARIABLE,
+    EngineStepCost,
     StepCostModel,
     _non_decreasing,
     default_cost_dir,
@@ -130,6 +131,58 @@ class StepCostModelTest(unittest.TestCase):
             "transformers_lookahead.cost_model.measure_step_costs",
             side_effect=lambda model, encoder_outputs=None: measure_step_costs(model, (1, 2, 4)),
         )
+
+
+class EngineStepCostTest(unittest.TestCase):
+    @staticmethod
+    def _engine(seconds, passes=64, table=STEEP) -> EngineStepCost:
+        """An engine cost fitted to `passes` passes of several shapes timed by `seconds(queries, keys)`."""
+        cost = EngineStepCost(table, passes_kept=64, passes_needed=16)
+        shapes = [(queries, keys) for queries in (1, 2, 4, 8, 16, 64, 300) for keys in (100, 900, 2500)]
+        for index in range(passes):
+            queries, keys = shapes[index % len(shapes)]
+            cost.observe(queries, keys, seconds(queries, keys))
+        return cost
+
+    def test_fits_the_engine_passes(self):
+        def seconds(queries, keys):
+            return 0.01 + 0.02 * STEEP(queries) + 1e-4 * queries + 2e-6 * keys + 1e-7 * queries * keys
+
+        cost = self._engine(seconds)
+        for queries, keys in [(3, 500), (12, 2000), (100, 1200)]:
+            self.assertAlmostEqual(cost.seconds(queries, keys), seconds(queries, keys), places=6)
+        relative = cost.for_batch(4, 2000)
+        self.assertAlmostEqual(relative(1), 1.0)
+        self.assertAlmostEqual(relative(3), seconds(12, 2012) / seconds(4, 2004), places=6)
+
+    def test_prices_with_nothing_until_enough_passes(self):
+        cost = self._engine(lambda queries, keys: 0.05, passes=15)
+        self.assertIsNone(cost.seconds(4, 100))
+        self.assertIsNone(cost.for_batch(4, 100))
+        cost.observe(1, 100, 0.05)
+        # A fixed time per pass: extra tokens are free, whatever the table says.
+        self.assertAlmostEqual(cost.for_batch(4, 100)(8), 1.0, places=6)
+
+    def test_no_coefficient_is_negative(self):
+        # Times that fall with the keys would fit a negative coefficient: it is dropped, never extrapolated.
+        cost = self._engine(lambda queries, keys: 0.05 + 1e-3 * queries - 1e-5 * keys)
+        # The fit as it stands would reach zero at 5,100 keys.
+        self.assertGreater(cost.seconds(1, 20000), 0.0)
+        relative = cost.for_batch(2, 500)
+        self.assertGreaterEqual(relative(4), relative(2))
+        self.assertGreaterEqual(relative(2), relative(1))
+
+    def test_follows_the_latest_passes(self):
+        cost = self._engine(lambda queries, keys: 0.05)
+        self.assertAlmostEqual(cost.for_batch(1, 100)(16), 1.0, places=6)
+        for queries in [1, 8, 16, 32] * 16:
+            cost.observe(queries, 100, 0.01 * queries)
+        # Only the latest 64 passes count: each token now costs as much as the first.
+        self.assertAlmostEqual(cost.seconds(16, 100) / cost.seconds(1, 100), 16.0, places=3)
+
+    def test_refuses_an_impossible_window(self):
+        with self.assertRaisesRegex(ValueError, "passes_needed"):
+            EngineStepCost(FLAT, passes_kept=8, passes_needed=16)
 
 
 class StepPolicyTest(unittest.TestCase):

@@ -4,8 +4,10 @@ lookahead `generate` serving one request at a time, at several numbers of concur
 
 Each level replays the same prompts as a closed loop of `concurrency` clients: every client sends its next prompt as
 soon as its previous answer is complete. The three engines run interleaved per level and repeat. Reported per level
-and engine: generated tokens per second over the level's wall time, per-request latency (p50, p95) and time to the
-first token (p50, p95), and whether every greedy answer equals plain continuous batching's.
+and engine: generated tokens per second over the level's wall time, generated tokens per forward pass a request
+took part in (the prefill's included; plain continuous batching's is 1), per-request latency (p50, p95) and time to
+the first token (p50, p95), the time of each forward pass of the level (the engine's step, all its requests) and
+the part of it inside the model's forward, and whether every greedy answer equals plain continuous batching's.
 
 `generate_one_at_a_time` serves the same closed loop with one `model.generate` call at a time: a request waits for
 the ones before it, so its latency and time to first token include that wait.
@@ -27,6 +29,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from utils.timing import ForwardTimer
 
 ENGINES = ("plain_cb", "lookahead_cb", "generate_one_at_a_time")
 # 16 requests of up to ~1000 tokens each, and room for prefill chunks beside 16 decoding requests' blocks.
@@ -57,7 +61,7 @@ def engine_config(tokenizer, max_new_tokens: int, lookahead: bool) -> Generation
 def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
     """Replays `prompts` through a running manager with `concurrency` requests in flight."""
     waiting = deque(enumerate(prompts))
-    in_flight, answers, latency, first_token = {}, {}, {}, {}
+    in_flight, answers, latency, first_token, forwards = {}, {}, {}, {}, {}
     start = time.perf_counter()
 
     def submit() -> None:
@@ -78,6 +82,9 @@ def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_
         index, sent = in_flight.pop(result.request_id)
         done = time.perf_counter()
         answers[index] = list(result.generated_tokens)
+        # The prefill's pass gives the first token; plain continuous batching then takes one pass per token.
+        steps = getattr(result, "accepted_per_step", None)
+        forwards[index] = 1 + len(steps) if steps is not None else len(answers[index])
         latency[index] = done - sent
         stamps = result.timestamps or [done]
         first_token[index] = stamps[0] - sent
@@ -88,14 +95,20 @@ def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_
         "answers": [answers[i] for i in range(len(prompts))],
         "latency": [latency[i] for i in range(len(prompts))],
         "first_token": [first_token[i] for i in range(len(prompts))],
+        "forwards": [forwards[i] for i in range(len(prompts))],
     }
 
 
 class _FirstToken:
-    """A streamer that notes when `generate` produced its first new token."""
+    """A streamer that notes when `generate` produced its first new token, and counts the chunks after it."""
 
     def __init__(self):
         self.calls, self.first = 0, None
+
+    @property
+    def chunks(self) -> int:
+        """The new-token chunks `generate` sent: one per forward pass (the first call carries the prompt)."""
+        return self.calls - 1
 
     def put(self, value) -> None:
         self.calls += 1
@@ -112,7 +125,7 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
     queue = deque()
     clock = time.perf_counter()
     start = clock
-    answers, latency, first_token = {}, {}, {}
+    answers, latency, first_token, forwards = {}, {}, {}, {}
     for _ in range(min(concurrency, len(prompts))):
         queue.append((*waiting.popleft(), clock))
     while queue:
@@ -126,6 +139,7 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
             answers[index] = answers[index][: answers[index].index(config.eos_token_id) + 1]
         latency[index] = done - sent
         first_token[index] = (streamer.first or done) - sent
+        forwards[index] = streamer.chunks
         if waiting:
             queue.append((*waiting.popleft(), done))
     return {
@@ -133,6 +147,7 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
         "answers": [answers[i] for i in range(len(prompts))],
         "latency": [latency[i] for i in range(len(prompts))],
         "first_token": [first_token[i] for i in range(len(prompts))],
+        "forwards": [forwards[i] for i in range(len(prompts))],
     }
 
 
@@ -151,6 +166,7 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     ids = [item[2][0].tolist() for item in prompts]
     plain_config = engine_config(tokenizer, args.max_new_tokens, lookahead=False)
     lookahead_config = engine_config(tokenizer, args.max_new_tokens, lookahead=True)
+    timer = ForwardTimer(model)
     managers = {
         name: model.init_continuous_batching(
             config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
@@ -169,10 +185,12 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
         for concurrency in args.concurrency:
             for repeat in range(args.repeats):
                 for engine in ENGINES:
+                    timer.reset()
                     if engine == "generate_one_at_a_time":
                         run = _generate_closed_loop(model, ids, concurrency, lookahead_config)
                     else:
                         run = _serve_closed_loop(managers[engine], ids, concurrency, args.max_new_tokens)
+                    run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
                     runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
                     progress.update()
         progress.close()
@@ -203,6 +221,11 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
                     "engine": engine,
                     "tokens": tokens,
                     "tokens_per_s": rate,
+                    "tokens_per_forward": tokens / sum(runs[0]["forwards"]),
+                    "pass_ms": statistics.median(1000 * run["seconds"] / run["forward_passes"] for run in runs),
+                    "forward_ms": statistics.median(
+                        1000 * run["forward_seconds"] / run["forward_passes"] for run in runs
+                    ),
                     "speedup_vs_plain_cb": rate / plain_rate,
                     "latency_p50": statistics.median(latency),
                     "latency_p95": _p95(latency),
@@ -217,14 +240,15 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
 
 def format_continuous_batching_table(rows: list[dict], result: dict | None = None) -> str:
     header = (
-        f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'latency p50/p95 (s)':>20} "
+        f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'tok/forward':>11} {'pass / fwd ms':>14} {'latency p50/p95 (s)':>20} "
         f"{'first token p50/p95 (s)':>24} {'same as plain CB':>16}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row['concurrency']:>7} {row['engine']:<24} {row['tokens_per_s']:>7.1f} "
-            f"{row['speedup_vs_plain_cb']:>10.2f}x {row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f} "
+            f"{row['speedup_vs_plain_cb']:>10.2f}x {row['tokens_per_forward']:>11.2f} "
+            f"{row['pass_ms']:>6.1f} / {row['forward_ms']:<5.1f} {row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f} "
             f"{row['first_token_p50']:>11.2f} / {row['first_token_p95']:<10.2f} "
             f"{row['identical']:>8}/{row['answers']}"
         )

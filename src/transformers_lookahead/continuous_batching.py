@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from transformers.generation.continuous_batching.requests import (
 from .auto_tuning import AUTO_TUNING
 from .compatibility import processors_for_row
 from .configuration_lookahead import LookaheadConfig
+from .cost_model import EngineStepCost, StepCostModel
 from .lookahead_decoding import offer_candidates
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
@@ -42,13 +44,12 @@ from .ngram_pool import ContextIndex, NGramPool, TokenTree
 from .step_forward import max_positions
 from .step_layout import AttentionGroup, RowStep, StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice, batch_step_length, choose_window
-from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, greedy_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from .cost_model import StepCostModel
     from .suffix_memory import SuffixMemory
 
 # The paged-attention backends that take an explicit mask (the flash ones build causal masks from sequence lengths).
@@ -141,7 +142,8 @@ class LookaheadBatching:
     With `lookahead_window="auto"` a step is priced as one forward pass of the whole batch: the step settles on one
     length per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly
     loaded engine verifies many tokens per request and a full one takes one-token steps, which is plain continuous
-    batching.
+    batching. That cost comes from the engine's own passes once it has run a few (`EngineStepCost`), and from the
+    model's cost table before.
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -171,6 +173,11 @@ class LookaheadBatching:
         self.max_batch_tokens = max_batch_tokens
         self.max_positions = max_positions(model)
         self.cost = cost
+        self.engine_cost = None
+        if cost is not None:
+            self.engine_cost = EngineStepCost(cost, AUTO_TUNING.engine_passes_kept, AUTO_TUNING.engine_passes_needed)
+        # Query and key tokens of the pass `lay_out` prepared, for `observe_pass`.
+        self.pass_shape: tuple[int, int] | None = None
         if config.adaptive:
             self.window_size = choose_window(cost, config.levels, AUTO_TUNING.max_window)
         else:
@@ -230,7 +237,10 @@ class LookaheadBatching:
             lengths = sorted(
                 {option.length for offer in offers for option in offer.options if option.length <= longest}
             )
-            budget = batch_step_length(offers, lookaheads[0].policy.step_cost, tuple(lengths or [1]))
+            cached = sum(lookahead.position for lookahead in lookaheads)
+            engine_cost = self.engine_cost.for_batch(len(decoding), cached) if self.engine_cost else None
+            step_cost = engine_cost or lookaheads[0].policy.step_cost
+            budget = batch_step_length(offers, step_cost, tuple(lengths or [1]))
         room = self.max_batch_tokens
         for (request_id, state), lookahead, offer in zip(decoding, lookaheads, offers):
             choice = lookahead.policy.plan(offer, budget)
@@ -274,6 +284,7 @@ class LookaheadBatching:
         starts = io.cumulative_seqlens_q[: count + 1].tolist()
         key_starts = {name: seqlens[: count + 1].tolist() for name, seqlens in io.cumulative_seqlens_k.items()}
         rows, self.logits_rows = [], {}
+        self.pass_shape = (starts[-1], max(keys[-1] for keys in key_starts.values()))
         for index, future in enumerate(io.requests_in_batch):
             if not future.has_new_token:
                 continue
@@ -298,6 +309,11 @@ class LookaheadBatching:
             self.logits_rows[request_id] = (len(rows), row.logits_rows.shape[0])
             rows.extend((start + row.logits_rows).tolist())
         return torch.tensor(rows, dtype=torch.long, device=io.input_ids.device)
+
+    def observe_pass(self, seconds: float) -> None:
+        """Learns the engine's cost from the forward pass `lay_out` prepared, which took `seconds`."""
+        if self.engine_cost is not None and self.pass_shape is not None:
+            self.engine_cost.observe(*self.pass_shape, seconds)
 
     # Settling, after the forward pass.
 
@@ -358,7 +374,7 @@ class LookaheadBatching:
         key = lookahead.tokens[-kept - 1]
         lookahead.policy.observe(step.choice, verdict, lookahead.pool, key)
         if step.row.window_used:
-            for ngram in lookahead.window.update(step.row.window_top(logits).argmax(-1)):
+            for ngram in lookahead.window.update(greedy_tokens(step.row.window_top(logits))):
                 lookahead.pool.add(ngram[0], ngram[1:], from_window=True)
 
     def _start(self, state: RequestState) -> RequestLookahead:
@@ -446,12 +462,16 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
         batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
         rows = self.step_rows
         batch["logits_indices"] = rows
+        start = time.perf_counter()
         if self.model_runner.supports_logits_to_keep(model):
             batch["logits_to_keep"] = rows
             logits = model(**batch).logits[0]
         else:
             logits = model(**batch).logits[0, rows]
         self.lookahead.logits = logits.float()
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        self.lookahead.observe_pass(time.perf_counter() - start)
 
     def update_batch(self) -> None:
         settled = []

@@ -7,6 +7,8 @@ import json
 import os
 import statistics
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +136,92 @@ class StepCostModel:
                     f"Set {COST_DIR_VARIABLE} to a writable directory, or to 'off' to silence this."
                 )
         return cls(costs)
+
+
+class EngineStepCost:
+    """
+    What a forward pass of a continuous-batching engine costs, learnt from the engine's own passes.
+
+    The `StepCostModel` table times one sequence's passes over a contiguous cache. A pass of Transformers' paged
+    engine also gathers every scheduled request's pages and masks all of the batch's query tokens against all of its
+    keys, so its time grows with the keys and with queries x keys as well, and more steeply with load than the table
+    says. Its time is fitted as
+
+        seconds = a + b * table(Q) + c * Q + d * K + e * Q * K
+
+    (Q query tokens and K key tokens in the pass; every coefficient clipped at zero) by least squares over the
+    latest `passes_kept` passes, so the fit follows the load as requests come and go.
+
+    Args:
+        table (`StepCostModel`): the model's step-cost table.
+        passes_kept (`int`): how many of the latest passes the fit uses.
+        passes_needed (`int`): the passes seen before `for_batch` answers (the engine prices with the table until
+            then).
+    """
+
+    def __init__(self, table: StepCostModel, passes_kept: int, passes_needed: int):
+        if not 1 <= passes_needed <= passes_kept:
+            raise ValueError(f"Need 1 <= passes_needed <= passes_kept, got {passes_needed} and {passes_kept}.")
+        self.table = table
+        self.passes_needed = passes_needed
+        self._passes: deque[tuple[float, ...]] = deque(maxlen=passes_kept)
+        self._coefficients: list[float] | None = None
+
+    def _features(self, queries: int, keys: int) -> tuple[float, ...]:
+        return (1.0, self.table(queries), float(queries), float(keys), float(queries * keys))
+
+    def observe(self, queries: int, keys: int, seconds: float) -> None:
+        """
+        Records one forward pass of the engine.
+
+        Args:
+            queries (`int`): the query tokens of the pass, every request's together.
+            keys (`int`): the key tokens of the pass (cached and new), every request's together.
+            seconds (`float`): how long the pass took.
+        """
+        self._passes.append((*self._features(queries, keys), seconds))
+        self._coefficients = None
+
+    def seconds(self, queries: int, keys: int) -> float | None:
+        """The fitted time of a pass of `queries` query tokens over `keys` keys; `None` before `passes_needed`."""
+        if len(self._passes) < self.passes_needed:
+            return None
+        if self._coefficients is None:
+            self._coefficients = _non_negative_fit(self._passes)
+        return sum(c * f for c, f in zip(self._coefficients, self._features(queries, keys)))
+
+    def for_batch(self, batch_size: int, cached_keys: int) -> Callable[[int], float] | None:
+        """
+        The cost of a step of T tokens for each of `batch_size` decoding requests whose caches hold `cached_keys`
+        entries together, relative to a one-token step of them; `None` until `passes_needed` passes were seen.
+        """
+        base = self.seconds(batch_size, cached_keys + batch_size)
+        if base is None or base <= 0.0:
+            return None
+        return lambda length: self.seconds(batch_size * length, cached_keys + batch_size * length) / base
+
+
+def _non_negative_fit(passes: deque[tuple[float, ...]]) -> list[float]:
+    """
+    Least squares of the last column on the others, with no negative coefficient: the most negative one is dropped
+    and the rest fitted again (a time is never made smaller by more tokens).
+    """
+    data = torch.tensor(list(passes), dtype=torch.float64)
+    features, seconds = data[:, :-1], data[:, -1:]
+    # Columns range from 1 to queries x keys (~1e5): scaled alike, none reads as rank-deficient.
+    scale = features.abs().amax(dim=0).clamp_min(1e-12)
+    scaled = features / scale
+    active = list(range(features.shape[1]))
+    solution = torch.zeros(0, dtype=torch.float64)
+    while active:
+        solution = torch.linalg.lstsq(scaled[:, active], seconds, driver="gelsd").solution[:, 0]
+        if bool((solution >= 0).all()):
+            break
+        del active[int(solution.argmin())]
+    coefficients = [0.0] * features.shape[1]
+    for column, value in zip(active, solution.tolist()):
+        coefficients[column] = value / float(scale[column])
+    return coefficients
 
 
 def model_key(model: PreTrainedModel) -> str:

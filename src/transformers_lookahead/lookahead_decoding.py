@@ -34,7 +34,7 @@ from .step_policy import (
     batch_step_length,
     choose_window,
 )
-from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, greedy_tokens
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -587,7 +587,7 @@ class LookaheadDecoder:
         if self.follows_durations:
             sequence.policy.observe_duration(step_length, seconds)
         if plan.row.window_used:
-            for ngram in sequence.window.update(plan.row.window_top(logits).argmax(-1)):
+            for ngram in sequence.window.update(greedy_tokens(plan.row.window_top(logits))):
                 sequence.pool.add(ngram[0], ngram[1:], from_window=True)
         if config.pool_from_prompt:
             sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
