@@ -4,6 +4,7 @@ identical to plain continuous batching, fewer forward passes, requests joining a
 distribution, the fallback to one-token steps under load, and the settings it refuses.
 """
 
+import statistics
 import time
 import unittest
 from unittest import mock
@@ -243,14 +244,19 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
                 [prompt], _config(64, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
             )
         self.assertEqual(len(out["req_0"].generated_tokens), 64)
-        # The prefill, then `engine_passes_needed` passes priced by the table, then by the engine's fit.
-        learnt = slow.queries[1 + AUTO_TUNING.engine_passes_needed :]
+        # The engine fits every pass, its prefill included: the passes after `engine_passes_needed` of them are
+        # priced by the fit, the ones between the prefill and those by the table.
+        needed = AUTO_TUNING.engine_passes_needed
+        table_priced, learnt = slow.queries[1:needed], slow.queries[needed:]
         self.assertGreater(len(learnt), 4)
-        self.assertGreater(max(slow.queries[1 : 1 + AUTO_TUNING.engine_passes_needed]), 1, "the table's steps")
+        self.assertGreater(min(table_priced), 16, "the flat table verifies whole windows and trees")
         if verifies_several:
-            self.assertGreater(max(learnt), 1)
+            self.assertGreater(statistics.mean(learnt), 16)
         else:
-            self.assertEqual(set(learnt), {1})
+            # Steps of a few tokens may still pay where acceptance is high (this machine's own pass time adds to
+            # the 5 ms per token), but nothing like the table's: 1-2 tokens here, against 65-96 priced by the table.
+            self.assertLessEqual(max(learnt), min(table_priced) / 8)
+            self.assertLess(statistics.mean(learnt), 3)
 
 
 class ContinuousBatchingSamplingTest(unittest.TestCase):
