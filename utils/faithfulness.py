@@ -159,7 +159,7 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
         plain = model.generate(ids, **common, output_scores=True, return_dict_in_generate=True)
         reference = _new_tokens(plain.sequences[0], prompt_length, pad_id, tokenizer.eos_token_id)
         margins = [float(scores[0].topk(2).values.diff().abs()) for scores in plain.scores[: len(reference)]]
-        departures, details, off_greedy = {}, {}, {}
+        departures, details, off_greedy, forwards = {}, {}, {}, {}
         for method, kwargs in DEPARTURE_METHODS.items():
             if kwargs is None:
                 neighbour = prompts[(index + 1) % len(prompts)][2]
@@ -171,6 +171,9 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                 out = model.generate(ids, **common, **kwargs, return_dict_in_generate=True)
                 generated = _new_tokens(out.sequences[0], prompt_length, pad_id, tokenizer.eos_token_id)
                 steps = getattr(out, "accepted_per_step", None)
+            if steps is not None:
+                # Tokens and forward passes of the lookahead methods (the prefill counts as one pass).
+                forwards[method] = (len(generated), len(steps) + 1)
             departure = first_departure(generated, reference)
             departures[method] = departure
             if departure is not None and departure < len(margins):
@@ -187,6 +190,7 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                 "departures": departures,
                 "at_departure": details,
                 "off_greedy": off_greedy,
+                "forwards": forwards,
                 "margins": margins,
             }
         )
@@ -204,8 +208,8 @@ def _off_greedy_count(model, ids: torch.LongTensor, generated: list[int], depart
 def summarize_departures(result: dict) -> list[dict]:
     """
     Per method: prompts departed, the median and earliest first departure, plain greedy's median top-2 logit margin
-    at the departures (beside its median over every position), and how many departing tokens were the first of
-    their lookahead step.
+    at the departures (beside its median over every position), how many departing tokens were the first of their
+    lookahead step, and (lookahead) the tokens per forward pass, prefill included.
     """
     everywhere = [margin for entry in result["prompts"] for margin in entry.get("margins", [])]
     rows = []
@@ -214,6 +218,8 @@ def summarize_departures(result: dict) -> list[dict]:
         departed = [position for position in positions if position is not None]
         at = [entry["at_departure"][method] for entry in result["prompts"] if method in entry.get("at_departure", {})]
         offsets = [detail["step_offset"] for detail in at if detail["step_offset"] is not None]
+        counts = [entry["forwards"][method] for entry in result["prompts"] if method in entry.get("forwards", {})]
+        passes = sum(count[1] for count in counts)
         rows.append(
             {
                 "method": method,
@@ -225,6 +231,7 @@ def summarize_departures(result: dict) -> list[dict]:
                 "median_margin_everywhere": round(statistics.median(everywhere), 4) if everywhere else None,
                 "first_of_step": f"{sum(offset == 0 for offset in offsets)} / {len(offsets)}" if offsets else None,
                 "off_greedy_tokens": sum(entry.get("off_greedy", {}).get(method, 0) for entry in result["prompts"]),
+                "tokens_per_forward": round(sum(count[0] for count in counts) / passes, 2) if passes else None,
             }
         )
     return rows
@@ -236,14 +243,14 @@ def format_departures_table(rows: list[dict], result: dict) -> str:
         "the prompt in a left-padded batch of two)",
         "",
         "| method | prompts departed | median first departure | earliest | plain's top-2 margin there | first of "
-        "its step | tokens no near-tie of plain greedy |",
-        "|---|---|---|---|---|---|---|",
+        "its step | tokens no near-tie of plain greedy | tok/forward |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['method']} | {row['departed']} / {row['prompts']} | {row['median_first_departure']} | "
             f"{row['earliest_departure']} | {row['median_margin_at_departure']} | {row['first_of_step']} | "
-            f"{row['off_greedy_tokens']} |"
+            f"{row['off_greedy_tokens']} | {row['tokens_per_forward'] or '-'} |"
         )
     if rows:
         lines.append("")
