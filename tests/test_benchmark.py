@@ -343,6 +343,16 @@ class DeparturesTest(unittest.TestCase):
         self.assertEqual(
             [row["off_greedy_tokens"] for row in summarize_departures(result)], [0] * len(DEPARTURE_METHODS)
         )
+        # Tokens per forward pass: counted for the lookahead methods only, which report their steps; 20 tokens each.
+        per_forward = {row["method"]: row["tokens_per_forward"] for row in summarize_departures(result)}
+        self.assertIsNone(per_forward["batched_greedy"])
+        self.assertIsNone(per_forward["prompt_lookup"])
+        for entry in result["prompts"]:
+            for method in ("lookahead_auto", "lookahead_7_5_7"):
+                tokens, passes = entry["forwards"][method]
+                self.assertEqual(tokens, 20)
+                self.assertLessEqual(passes, 20)
+        self.assertGreater(per_forward["lookahead_7_5_7"], 1.0, "these prompts repeat themselves: steps accept more")
         # A method that changes the text is seen departing where it does.
         changed = {**DEPARTURE_METHODS, "lookahead_auto": {"lookahead_window": 4, "repetition_penalty": 5.0}}
         with mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", changed):
