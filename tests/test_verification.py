@@ -6,7 +6,13 @@ from parameterized import parameterized
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_lookahead import LookaheadState, enable_lookahead
-from transformers_lookahead.verification import GreedyVerifier, PositionNoise, SamplingVerifier
+from transformers_lookahead.verification import (
+    GreedyVerifier,
+    PositionNoise,
+    SamplingVerifier,
+    _half_precision_argmax,
+    greedy_tokens,
+)
 from utils.distribution_check import chi_square_p_value, homogeneity_p_value
 
 from .utils import SMALL_VOCABULARY, flat_step_costs, pool_tree, small_vocabulary_model
@@ -38,6 +44,46 @@ class GreedyVerifierTest(unittest.TestCase):
         self.assertEqual(verdict.nodes, [five, six])
         verdict = GreedyVerifier(LogitsProcessorList()).verify(rows, tree, 1, torch.tensor([[0]]), max_tokens=2)
         self.assertEqual(verdict.tokens, [5, 6])
+
+
+def _with_bits(row: torch.Tensor, index: int, bits: int) -> torch.Tensor:
+    """`row` (half precision) with the value at `index` replaced by the 16-bit pattern `bits`."""
+    row = row.clone()
+    row.view(torch.int16)[index] = bits - (1 << 16) if bits >= 1 << 15 else bits
+    return row
+
+
+class GreedyTokensTest(unittest.TestCase):
+    """`greedy_tokens` chooses what `torch.argmax` of the float32 logits chooses (plain greedy's rule)."""
+
+    @parameterized.expand([("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)])
+    def test_first_maximum_of_the_float32_logits(self, _, dtype):
+        generator = torch.Generator().manual_seed(0)
+        logits = (torch.randn(6, 300, generator=generator) * 4 + 1).to(dtype)
+        logits[1, 17] = logits[1, 250] = logits[1].max() + 1  # a tie: the first maximum wins
+        expected = logits.float().argmax(-1)
+        self.assertTrue(torch.equal(greedy_tokens(logits), expected))
+        self.assertTrue(torch.equal(greedy_tokens(logits[2]), expected[2]))
+        self.assertTrue(torch.equal(greedy_tokens(logits[None]), expected[None]))
+        if dtype != torch.float32:
+            # The bit-pattern route answered, not the float32 fallback.
+            self.assertTrue(torch.equal(_half_precision_argmax(logits), expected))
+
+    @parameterized.expand([("bfloat16", torch.bfloat16, 0x7F80), ("float16", torch.float16, 0x7C00)])
+    def test_rows_the_bit_patterns_would_misorder_fall_back(self, _, dtype, infinity):
+        row = (torch.randn(64, generator=torch.Generator().manual_seed(1)) - 1).abs().to(dtype)
+        cases = {
+            "all negative": -row,
+            "zero maximum after a negative zero": torch.cat([torch.tensor([-0.0]), -row[1:]]).to(dtype),
+            "positive infinity": _with_bits(row, 9, infinity),
+            "positive NaN": _with_bits(row, 11, infinity | 0x40),
+            "negative NaN": _with_bits(row, 13, infinity | 0x8040),
+        }
+        cases["zero maximum after a negative zero"][7] = 0.0
+        for name, case in cases.items():
+            with self.subTest(name):
+                self.assertIsNone(_half_precision_argmax(case))
+                self.assertEqual(int(greedy_tokens(case)), int(case.float().argmax()))
 
 
 class SamplingVerifierTest(unittest.TestCase):

@@ -7,9 +7,9 @@ from transformers import Cache
 from .compatibility import (
     ROLLBACK_LAYERS,
     DynamicSlidingWindowLayer,
+    EntryMoves,
     StaticLayer,
     can_roll_back,
-    gather_layer_entries,
     layer_step_start,
 )
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
@@ -97,24 +97,25 @@ class CacheCommitter:
             `int`: A, the slots added to every sequence.
         """
         added = max(len(rows) for rows in kept_rows)
-        in_place = all(rows == list(range(len(rows))) for rows in kept_rows)
         uneven = any(len(rows) != added for rows in kept_rows)
+        # Unused slots copy the row's last kept entry: any finite value does, they are masked.
+        moves = EntryMoves([rows + rows[-1:] * (added - len(rows)) for rows in kept_rows])
+        in_place = all(rows == list(range(len(rows))) for rows in kept_rows)
         for layer in self.cache.layers:
             if not layer.is_initialized:
                 continue
             start = layer_step_start(layer, step_length)
             if isinstance(layer, DynamicSlidingWindowLayer) and uneven:
                 # Rows kept different counts: right-align each row (filler, the row as it was, then what it kept).
-                # With even counts the plain gather below already leaves every row right-aligned, without copying
+                # With even counts the plain moves below already leave every row right-aligned, without copying
                 # the whole window every step.
                 index = [
                     [0] * (added - len(rows)) + list(range(start)) + [start + row for row in rows]
                     for rows in kept_rows
                 ]
-                gather_layer_entries(layer, index, 0)
+                EntryMoves(index).apply(layer, 0)
             elif not in_place:
-                # Unused slots copy the row's last kept entry: any finite value does, they are masked.
-                gather_layer_entries(layer, [rows + rows[-1:] * (added - len(rows)) for rows in kept_rows], start)
+                moves.apply(layer, start)
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
         self.cache.crop(-(step_length - added))
         return added

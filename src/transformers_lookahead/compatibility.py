@@ -26,6 +26,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
     SynthIDTextWatermarkLogitsProcessor,
 )
 from transformers.cache_utils import (
@@ -35,6 +36,7 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 if TYPE_CHECKING:
     from transformers.modeling_outputs import ModelOutput
@@ -107,27 +109,77 @@ def layer_step_start(layer: CacheLayerMixin, step_length: int) -> int:
     return layer.keys.shape[-2] - step_length
 
 
-def gather_layer_entries(layer: CacheLayerMixin, index: list[list[int]], start: int) -> None:
+class EntryMoves:
     """
-    Overwrites, in every row b, the layer's entries from `start` on with its entries `start + index[b][j]`: the layer's
-    `keys` and `values` tensors (batch, heads, positions, head_dim) are written in place, so static buffers stay
-    where compiled graphs expect them.
+    The copies a cache commit makes in every layer: in row b, the entry `start + index[b][j]` goes to `start + j`.
+    Built once per step and applied to each layer (`apply`), where `start` may differ, so the index tensors are
+    built once rather than once per layer.
+
+    One row whose moved entries form a single run of consecutive entries (a matched tree path whose nodes follow each
+    other) is copied as a slice; other single rows by `index_select` and `index_copy_` (about a third of a gather's
+    time, CPU, measured); several rows by one `gather` per tensor.
+
+    Args:
+        index (`list[list[int]]`): per row, the offsets from `start` of its entries, in their new order. A single
+            row's offsets increase from `index[0][0] >= 0`, so its run never reads what was written before it.
     """
-    batch, width = len(index), len(index[0])
-    device = layer.keys.device
-    if batch == 1:
-        # One row: selecting along the positions takes about a third of a gather's time (CPU, measured).
-        source = torch.tensor(index[0], device=device) + start
-        target = torch.arange(start, start + width, device=device)
-        layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
-        layer.values.index_copy_(2, target, layer.values.index_select(2, source))
-        return
-    heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
-    source = torch.tensor(index, device=device)[:, None, :, None].expand(batch, heads, width, head_dim)
-    keys = torch.gather(layer.keys[:, :, start:], 2, source)
-    values = torch.gather(layer.values[:, :, start:], 2, source)
-    layer.keys[:, :, start : start + width] = keys
-    layer.values[:, :, start : start + width] = values
+
+    def __init__(self, index: list[list[int]]):
+        self.index = index
+        self.width = len(index[0])
+        self.run = None
+        self.source = self.target = None
+        if len(index) == 1:
+            runs = _runs(index[0])
+            if len(runs) == 1:
+                self.run = runs[0]
+            elif runs:
+                self.source = torch.tensor(index[0])
+                self.target = torch.arange(self.width)
+        # Per layer start and device: the index tensors placed there; per layer shape: the gather index.
+        self._placed: dict[tuple[int, torch.device], tuple[torch.LongTensor, torch.LongTensor]] = {}
+        self._expanded: dict[tuple[int, ...], torch.LongTensor] = {}
+
+    def apply(self, layer: CacheLayerMixin, start: int) -> None:
+        """Makes the moves in the layer's `keys` and `values` (batch, heads, positions, head_dim), in place."""
+        if len(self.index) == 1:
+            if self.run is not None:
+                target, source, length = self.run
+                for tensor in (layer.keys, layer.values):
+                    moved = tensor[:, :, start + source : start + source + length]
+                    if source < target + length:
+                        moved = moved.clone()  # the run overlaps where it goes
+                    tensor[:, :, start + target : start + target + length] = moved
+            elif self.source is not None:
+                key = (start, layer.keys.device)
+                if key not in self._placed:
+                    self._placed[key] = (self.source.to(key[1]) + start, self.target.to(key[1]) + start)
+                source, target = self._placed[key]
+                layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
+                layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+            return
+        shape = (*layer.keys.shape[:2], self.width, layer.keys.shape[-1])
+        source = self._expanded.get(shape)
+        if source is None:
+            source = torch.tensor(self.index, device=layer.keys.device)[:, None, :, None].expand(shape)
+            self._expanded[shape] = source
+        keys = torch.gather(layer.keys[:, :, start:], 2, source)
+        values = torch.gather(layer.values[:, :, start:], 2, source)
+        layer.keys[:, :, start : start + self.width] = keys
+        layer.values[:, :, start : start + self.width] = values
+
+
+def _runs(offsets: list[int]) -> list[tuple[int, int, int]]:
+    """`(target, source, length)` for each run of consecutive offsets that moves (`offsets[j] != j`)."""
+    runs = []
+    for target, source in enumerate(offsets):
+        if source == target:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == target and runs[-1][1] + runs[-1][2] == source:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((target, source, 1))
+    return runs
 
 
 def can_roll_back(layer: CacheLayerMixin) -> bool:
@@ -187,6 +239,51 @@ def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: in
             processor.state = None
         adapted.append(processor)
     return adapted
+
+
+class TokenStoppingCriteria:
+    """
+    `generate`'s default stopping criteria (`MaxLengthCriteria`, `EosTokenCriteria`), decided on the host from a
+    sequence's length and its last token. Lookahead checks the criteria after every accepted token; calling the
+    criteria list builds tensors each time (about 70 us per token here, against about 3 us for these comparisons, SmolLM2
+    bf16, measured), which a step accepting many tokens pays many times.
+
+    Args:
+        max_length (`int` or `None`): `MaxLengthCriteria.max_length`.
+        eos_token_ids (`set[int]`): `EosTokenCriteria.eos_token_id`'s tokens.
+        max_position_embeddings (`int` or `None`): past this length `MaxLengthCriteria` logs a warning, so the
+            criteria themselves decide there.
+    """
+
+    def __init__(self, max_length: int | None, eos_token_ids: set[int], max_position_embeddings: int | None):
+        self.max_length = max_length
+        self.eos_token_ids = eos_token_ids
+        self.max_position_embeddings = max_position_embeddings
+
+    @classmethod
+    def of(cls, criteria: StoppingCriteriaList) -> TokenStoppingCriteria | None:
+        """The host form of `criteria`, or `None` unless each criterion is exactly one of the two default classes."""
+        if any(type(criterion) not in (MaxLengthCriteria, EosTokenCriteria) for criterion in criteria):
+            return None
+        max_length = max_position_embeddings = None
+        eos_token_ids: set[int] = set()
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria):
+                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+                if criterion.max_position_embeddings is not None:
+                    max_position_embeddings = criterion.max_position_embeddings
+            else:
+                eos_token_ids.update(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+        return cls(max_length, eos_token_ids, max_position_embeddings)
+
+    def __call__(self, length: int, token: int) -> bool | None:
+        """
+        Whether the criteria fire on a sequence of `length` tokens (padding included) that ends with `token`, or
+        `None` where the criteria list must be asked instead.
+        """
+        if self.max_position_embeddings is not None and length > self.max_position_embeddings:
+            return None
+        return token in self.eos_token_ids or (self.max_length is not None and length >= self.max_length)
 
 
 def mark_as_user_config(generation_config: GenerationConfig) -> None:
@@ -257,6 +354,13 @@ def check_private_apis() -> list[str]:
         "`EncoderNoRepeatNGramLogitsProcessor.batch_size` and `generated_ngrams`, one per input row (used by "
         "`processors_for_row`)",
     )
+    length_criterion, eos_criterion = MaxLengthCriteria(5, max_position_embeddings=7), EosTokenCriteria([2, 3])
+    expect(
+        (length_criterion.max_length, length_criterion.max_position_embeddings) == (5, 7)
+        and torch.as_tensor(eos_criterion.eos_token_id).tolist() == [2, 3],
+        "`MaxLengthCriteria.max_length` / `.max_position_embeddings` and `EosTokenCriteria.eos_token_id` (used by "
+        "`TokenStoppingCriteria`)",
+    )
     watermark = SynthIDTextWatermarkLogitsProcessor(
         ngram_len=2, keys=[1, 2], sampling_table_size=16, sampling_table_seed=0, context_history_size=4, device="cpu"
     )
@@ -285,7 +389,7 @@ def check_private_apis() -> list[str]:
         getattr(getattr(layer, "keys", None), "shape", None) == (1, 2, 3, 4)
         and getattr(getattr(layer, "values", None), "shape", None) == (1, 2, 3, 4),
         "cache layers' `keys` / `values` tensors of shape (batch, heads, positions, head_dim) (written in place by "
-        "`gather_layer_entries`)",
+        "`EntryMoves`)",
     )
     expect(
         hasattr(CompileConfig(), "_compile_all_devices"),

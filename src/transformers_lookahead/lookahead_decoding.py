@@ -12,7 +12,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from .auto_tuning import AUTO_TUNING
 from .cache_commit import CacheCommitter
-from .compatibility import can_auto_compile, pad_token_id, prefill, processors_for_row
+from .compatibility import TokenStoppingCriteria, can_auto_compile, pad_token_id, prefill, processors_for_row
 from .configuration_lookahead import (
     LookaheadConfig,
     validate_lookahead_setup,
@@ -372,6 +372,7 @@ class LookaheadDecoder:
         # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
         # criteria fired keeps generating until every sequence's have.
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        self.token_stops = TokenStoppingCriteria.of(stopping_criteria)
         # Step times differ between the ranks of a tensor-parallel model, which must plan alike.
         self.follows_durations = self.sync is None
         self._carried: dict[tuple, PolicyEstimates | None] = {}
@@ -691,8 +692,11 @@ class LookaheadDecoder:
         if self.keep_logits:
             sequence.raw_logits.append(raw)
         if sequence.stopped_at is None:
-            scores = tuple(sequence.scores) if self.keep_scores else None
-            if self.stopping_criteria(sequence.text.input_ids, scores).any():
+            stops = None if self.token_stops is None else self.token_stops(sequence.length, sequence.tokens[-1])
+            if stops is None:
+                scores = tuple(sequence.scores) if self.keep_scores else None
+                stops = bool(self.stopping_criteria(sequence.text.input_ids, scores).any())
+            if stops:
                 sequence.stopped_at = sequence.length
                 return self.has_eos
         return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import Cache
 
@@ -207,7 +208,10 @@ class StepLayout:
             (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
         )
         self.window_block = sees_first_level | sees_own_column
-        self.top_rows = torch.arange((levels - 1) * window, levels * window, device=device)
+        # The host copies `row` builds a step from: a few numpy operations cost less than as many torch calls.
+        self._window_offsets = self.window_offsets.tolist()
+        self._window_block = self.window_block.cpu().numpy()
+        self._top_rows = list(range((levels - 1) * window, levels * window))
         self._last_row = torch.tensor([0], device=device)
 
     @classmethod
@@ -250,40 +254,46 @@ class StepLayout:
         length = k + window_length + tree_length
         tree_start = k + window_length
         tree_row = 1 + (self.window if window_tokens is not None else 0)
-
-        parts_ids = [pending]
-        parts_pos = [torch.arange(position - k + 1, position + 1, device=device)]
-        if window_tokens is not None:
-            parts_ids.append(window_tokens)
-            parts_pos.append(self.window_offsets + position)
-        if tree_length:
-            parts_ids.append(torch.tensor(tree.tokens, device=device))
-            parts_pos.append(torch.tensor(tree.depths, device=device) + position)
-        input_ids = torch.cat(parts_ids) if len(parts_ids) > 1 else pending
-        positions = torch.cat(parts_pos)
         if length == 1:
-            return RowStep(input_ids, positions, None, self._last_row, tree_row, False, k, tree_start)
+            positions = torch.tensor([position], device=device)
+            return RowStep(pending, positions, None, self._last_row, tree_row, False, k, tree_start)
 
-        visible = torch.zeros(length, length, dtype=torch.bool, device=device)
+        # Built on the host and moved once: a step is a few dozen tokens, and one torch call per piece cost more
+        # than the whole host-side construction.
+        positions = list(range(position - k + 1, position + 1))
+        if window_tokens is not None:
+            positions += [position + offset for offset in self._window_offsets]
+        positions += [position + depth for depth in tree.depths]
+        if window_tokens is None:
+            input_ids = torch.tensor(pending.tolist() + tree.tokens, device=device)
+        else:
+            tree_ids = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+            input_ids = torch.cat([pending, window_tokens, tree_ids])
+
+        visible = np.zeros((length, length), dtype=bool)
         visible[:, :k] = True
-        visible[:k, :k] = torch.ones(k, k, dtype=torch.bool, device=device).tril()
+        visible[:k, :k] = np.tri(k, dtype=bool)
         if window_tokens is not None:
-            visible[k:tree_start, k:tree_start] = self.window_block
-        if tree_length:
-            rows, cols = [], []
-            for node in range(tree_length):
-                path = tree.ancestors(node)
-                rows.extend([node] * len(path))
-                cols.extend(path)
-            visible[tree_start + torch.tensor(rows, device=device), tree_start + torch.tensor(cols, device=device)] = (
-                True
-            )
-        logits_rows = [torch.tensor([k - 1], device=device)]
+            visible[k:tree_start, k:tree_start] = self._window_block
+        # Each node sees what its parent sees, and itself; parents come first.
+        tree_visible = visible[tree_start:, tree_start:]
+        for node, parent in enumerate(tree.parents):
+            if parent >= 0:
+                tree_visible[node] = tree_visible[parent]
+            tree_visible[node, node] = True
+        logits_rows = [k - 1]
         if window_tokens is not None:
-            logits_rows.append(self.top_rows + k)
-        logits_rows.append(torch.arange(tree_start, length, device=device))
+            logits_rows += [row + k for row in self._top_rows]
+        logits_rows += range(tree_start, length)
         return RowStep(
-            input_ids, positions, visible, torch.cat(logits_rows), tree_row, window_tokens is not None, k, tree_start
+            input_ids,
+            torch.tensor(positions, device=device),
+            torch.from_numpy(visible).to(device),
+            torch.tensor(logits_rows, device=device),
+            tree_row,
+            window_tokens is not None,
+            k,
+            tree_start,
         )
 
     def build(

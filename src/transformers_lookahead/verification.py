@@ -10,20 +10,49 @@ from transformers import LogitsProcessorList
 
 from .ngram_pool import TokenTree
 
+# The bit pattern of +inf in each half-precision dtype: positive finite values are the patterns below it.
+_POSITIVE_INFINITY_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
 
 def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
     """
     The argmax of each row of `logits` (shape `(..., vocab)`), taken in float32 as plain greedy decoding takes it,
-    the first maximum winning a tie as with `torch.argmax`.
+    the first maximum winning a tie as with `torch.argmax` (a NaN counting as the maximum).
 
     On the CPU it is taken by numpy: torch's CPU argmax over a 49k vocabulary took 0.65 ms for 30 rows in fp32 and
     2.7 ms in bf16 here, numpy's 0.1 ms and 0.18 ms (the conversion included); a step's verification reads up to
-    dozens of rows.
+    dozens of rows. Half-precision rows skip the conversion where they can (`_half_precision_argmax`).
     """
-    scores = logits.detach().to(torch.float32)
-    if scores.device.type == "cpu":
-        return torch.from_numpy(np.asarray(np.argmax(scores.numpy(), axis=-1)))
-    return scores.argmax(-1)
+    if logits.device.type != "cpu":
+        return logits.detach().to(torch.float32).argmax(-1)
+    if logits.dtype in _POSITIVE_INFINITY_BITS and logits.is_contiguous():
+        choices = _half_precision_argmax(logits.detach())
+        if choices is not None:
+            return choices
+    return torch.from_numpy(np.asarray(np.argmax(logits.detach().to(torch.float32).numpy(), axis=-1)))
+
+
+def _half_precision_argmax(logits: torch.Tensor) -> torch.LongTensor | None:
+    """
+    The argmax of half-precision CPU rows read as 16-bit integers, or `None` where that could differ from the
+    float32 argmax.
+
+    Positive floats order as their bit patterns do, and every negative float reads as a negative integer, so a row
+    whose maximum is a finite positive number has the same first maximum either way (equal values have equal bits
+    once zero is not the maximum). The rest (a maximum of zero or below, an infinity or a NaN) returns `None` for
+    the float32 route. Reading the bits skips the conversion: 2x faster for 20-40 rows of a 49k vocabulary (bf16,
+    this CPU, measured).
+    """
+    infinity = _POSITIVE_INFINITY_BITS[logits.dtype]
+    bits = logits.view(torch.int16).numpy()
+    choices = np.argmax(bits, axis=-1)
+    top = np.take_along_axis(bits, choices[..., None], axis=-1)
+    # A negative NaN reads as a negative integer, so the maximum misses it: as unsigned integers its patterns lie
+    # above negative infinity's, where no number's do.
+    negative_nan = bits.view(np.uint16).max(initial=0) > (infinity | 0x8000)
+    if (top <= 0).any() or (top >= infinity).any() or negative_nan:
+        return None
+    return torch.from_numpy(np.asarray(choices))
 
 
 @dataclass
@@ -80,15 +109,20 @@ class GreedyVerifier:
         Returns:
             `Verdict`.
         """
-        # Greedy without processors chooses the raw argmax: one reduction and one host transfer for all rows.
+        # Greedy without processors chooses the raw argmax. On an accelerator: one reduction and one host transfer
+        # for all rows. On the CPU, of the rows the walk visits only: a step's logits reach the host uncached, and
+        # reading all of them cost more than the walk's few (0.3 ms for 1-16 rows after the forward pass, against
+        # 0.04 ms for the same rows cached, SmolLM2 bf16, measured).
         fast = self.argmax_of_raw_logits and not self.logits_processor
-        choices = greedy_tokens(logits).tolist() if fast else None
+        choices = greedy_tokens(logits).tolist() if fast and logits.device.type != "cpu" else None
         verdict = Verdict([], [], [], [])
         row, node = 0, -1
         while True:
             raw = logits[row : row + 1].to(dtype=torch.float32, copy=True)
             if choices is not None:
                 scores, token = raw, choices[row]
+            elif fast:
+                scores, token = raw, int(greedy_tokens(raw))
             else:
                 sequence = torch.cat([input_ids, input_ids.new_tensor([verdict.tokens])], dim=-1)
                 scores = self.logits_processor(sequence, raw)
