@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.utils import logging
@@ -205,16 +206,19 @@ def _non_negative_fit(passes: deque[tuple[float, ...]]) -> list[float]:
     """
     Least squares of the last column on the others, with no negative coefficient: the most negative one is dropped
     and the rest fitted again (a time is never made smaller by more tokens).
+
+    It runs once per engine step, so in numpy: `torch.linalg.lstsq` took about 0.8 ms for 64 passes here, numpy's
+    (the same LAPACK driver, coefficients equal to 1e-14) 0.05 ms.
     """
-    data = torch.tensor(list(passes), dtype=torch.float64)
-    features, seconds = data[:, :-1], data[:, -1:]
+    data = np.asarray(passes, dtype=np.float64)
+    features, seconds = data[:, :-1], data[:, -1]
     # Columns range from 1 to queries x keys (~1e5): scaled alike, none reads as rank-deficient.
-    scale = features.abs().amax(dim=0).clamp_min(1e-12)
+    scale = np.maximum(np.abs(features).max(axis=0), 1e-12)
     scaled = features / scale
     active = list(range(features.shape[1]))
-    solution = torch.zeros(0, dtype=torch.float64)
+    solution = np.zeros(0)
     while active:
-        solution = torch.linalg.lstsq(scaled[:, active], seconds, driver="gelsd").solution[:, 0]
+        solution = np.linalg.lstsq(scaled[:, active], seconds, rcond=None)[0]
         if bool((solution >= 0).all()):
             break
         del active[int(solution.argmin())]
