@@ -98,9 +98,9 @@ class CacheCommitter:
         """
         added = max(len(rows) for rows in kept_rows)
         uneven = any(len(rows) != added for rows in kept_rows)
-        # Unused slots copy the row's last kept entry: any finite value does, they are masked.
-        moves = EntryMoves([rows + rows[-1:] * (added - len(rows)) for rows in kept_rows])
         in_place = all(rows == list(range(len(rows))) for rows in kept_rows)
+        # Unused slots copy the row's last kept entry: any finite value does, they are masked.
+        moves = None if in_place else EntryMoves([rows + rows[-1:] * (added - len(rows)) for rows in kept_rows])
         for layer in self.cache.layers:
             if not layer.is_initialized:
                 continue
@@ -114,7 +114,7 @@ class CacheCommitter:
                     for rows in kept_rows
                 ]
                 EntryMoves(index).apply(layer, 0)
-            elif not in_place:
+            elif moves is not None:
                 moves.apply(layer, start)
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
         self.cache.crop(-(step_length - added))

@@ -199,19 +199,16 @@ class StepLayout:
         self.mask_format = mask_format
         self.min_value = torch.finfo(dtype).min
 
-        # The window's structure is the same every step: build it once.
-        level = torch.arange(levels, device=device).repeat_interleave(window)
-        column = torch.arange(window, device=device).repeat(levels)
-        self.window_offsets = 1 + level + column
+        # The window's structure is the same every step: built once, on the host, where `row` lays steps out.
+        level = np.arange(levels).repeat(window)
+        column = np.tile(np.arange(window), levels)
+        self.window_offsets = (1 + level + column).tolist()
         sees_first_level = (level[None, :] == 0) & (column[None, :] <= column[:, None])
         sees_own_column = (
             (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
         )
         self.window_block = sees_first_level | sees_own_column
-        # The host copies `row` builds a step from: a few numpy operations cost less than as many torch calls.
-        self._window_offsets = self.window_offsets.tolist()
-        self._window_block = self.window_block.cpu().numpy()
-        self._top_rows = list(range((levels - 1) * window, levels * window))
+        self.top_rows = list(range((levels - 1) * window, levels * window))
         self._last_row = torch.tensor([0], device=device)
 
     @classmethod
@@ -262,7 +259,7 @@ class StepLayout:
         # than the whole host-side construction.
         positions = list(range(position - k + 1, position + 1))
         if window_tokens is not None:
-            positions += [position + offset for offset in self._window_offsets]
+            positions += [position + offset for offset in self.window_offsets]
         positions += [position + depth for depth in tree.depths]
         if window_tokens is None:
             input_ids = torch.tensor(pending.tolist() + tree.tokens, device=device)
@@ -274,7 +271,7 @@ class StepLayout:
         visible[:, :k] = True
         visible[:k, :k] = np.tri(k, dtype=bool)
         if window_tokens is not None:
-            visible[k:tree_start, k:tree_start] = self._window_block
+            visible[k:tree_start, k:tree_start] = self.window_block
         # Each node sees what its parent sees, and itself; parents come first.
         tree_visible = visible[tree_start:, tree_start:]
         for node, parent in enumerate(tree.parents):
@@ -283,7 +280,7 @@ class StepLayout:
             tree_visible[node, node] = True
         logits_rows = [k - 1]
         if window_tokens is not None:
-            logits_rows += [row + k for row in self._top_rows]
+            logits_rows += [row + k for row in self.top_rows]
         logits_rows += range(tree_start, length)
         return RowStep(
             input_ids,
