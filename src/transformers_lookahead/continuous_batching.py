@@ -468,7 +468,8 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
             logits = model(**batch).logits[0]
         else:
             logits = model(**batch).logits[0, rows]
-        self.lookahead.logits = logits.float()
+        # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`.
+        self.lookahead.logits = logits
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         self.lookahead.observe_pass(time.perf_counter() - start)
