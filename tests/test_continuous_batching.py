@@ -18,6 +18,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.continuous_batching import (
+    LookaheadBatching,
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
     check_continuous_batching_apis,
@@ -88,6 +89,27 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
                     self.assertEqual(sum(result.accepted_per_step), len(result.generated_tokens) - 1)
                 self.assertLess(counter.count, plain_passes)
                 self.assertGreater(max(max(result.accepted_per_step) for result in out.values()), 1)
+
+    def test_bfloat16_logits_verified_as_their_float32_copies_would_be(self):
+        # The engine verifies a bf16 step's logits in bf16 (rows converted as the walk reads them, the window's top
+        # level argmaxed on its bit patterns): every choice must be what float32 copies of the same logits give. A
+        # fixed shape keeps both runs' passes the same, so their logits are too.
+        model = enable_lookahead(tiny_model("llama", "sdpa").to(torch.bfloat16))
+        prompts = _prompts()
+        config = _config(lookahead_window=4, lookahead_ngram=3)
+        out = model.generate_batch(prompts, config, continuous_batching_config=ENGINE, progress_bar=False)
+        settle = LookaheadBatching.settle
+
+        def settle_float32(batching, *args):
+            batching.logits = batching.logits.float()
+            return settle(batching, *args)
+
+        with mock.patch.object(LookaheadBatching, "settle", autospec=True, side_effect=settle_float32):
+            reference = model.generate_batch(prompts, config, continuous_batching_config=ENGINE, progress_bar=False)
+        for request_id, result in reference.items():
+            self.assertEqual(out[request_id].generated_tokens, result.generated_tokens, request_id)
+            self.assertEqual(out[request_id].accepted_per_step, result.accepted_per_step, request_id)
+        self.assertGreater(max(max(result.accepted_per_step) for result in out.values()), 1)
 
     def test_requests_joining_at_different_times_with_their_own_limits(self):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
