@@ -106,6 +106,7 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
 
         with mock.patch.object(LookaheadBatching, "settle", autospec=True, side_effect=settle_float32):
             reference = model.generate_batch(prompts, config, continuous_batching_config=ENGINE, progress_bar=False)
+        self.assertEqual(list(reference), list(out))
         for request_id, result in reference.items():
             self.assertEqual(out[request_id].generated_tokens, result.generated_tokens, request_id)
             self.assertEqual(out[request_id].accepted_per_step, result.accepted_per_step, request_id)
