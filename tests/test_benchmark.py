@@ -5,6 +5,7 @@ from unittest import mock
 import torch
 
 from transformers_lookahead import LookaheadState, enable_lookahead
+from transformers_lookahead.ngram_pool import TokenTree
 from utils.benchmark import (
     REFERENCE,
     SPEECH,
@@ -39,6 +40,13 @@ from utils.faithfulness import (
 )
 from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
 from utils.quality import QUALITY_METHODS, completion_program, format_quality_table, program_passes, summarize_quality
+from utils.step_ceiling import (
+    CEILING_SETTINGS,
+    deepest_match,
+    format_ceiling_table,
+    run_ceiling,
+    summarize_ceiling,
+)
 from utils.tiny_models import left_padded
 
 from .utils import flat_step_costs, random_prompt, tiny_model
@@ -398,6 +406,46 @@ PROBLEM = {
     "entry_point": "total",
     "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n",
 }
+
+
+class StepCeilingTest(unittest.TestCase):
+    def test_deepest_match_walks_one_source_or_any(self):
+        tree = TokenTree()
+        tree.add_path([5, 6, 7])  # copied from the context
+        pooled = tree.ensure_child(tree.child(-1, 5), 9, 2)
+        tree.counts[pooled] = 1
+        self.assertEqual(deepest_match(tree, [5, 6, 7, 8]), 3)
+        self.assertEqual(deepest_match(tree, [5, 9, 1]), 2)
+        self.assertEqual(deepest_match(tree, [5, 9, 1], "context"), 1, "node 9 was pooled, not copied")
+        self.assertEqual(deepest_match(tree, [5, 9, 1], "pool"), 0, "node 5 was only copied")
+        self.assertEqual(deepest_match(tree, [4, 6]), 0)
+
+    def test_steps_recorded_against_the_text_on_a_tiny_model(self):
+        model = enable_lookahead(tiny_model("llama"))
+        rows = [random_prompt(length, seed=seed) for seed, length in enumerate((9, 14))]
+        prompts = [(f"split/{index}", "test", row, row.shape[1]) for index, row in enumerate(rows)]
+        args = SimpleNamespace(max_new_tokens=24, dtype="float32", model=None)
+        result = run_ceiling(args, model, None, prompts)
+        rows = summarize_ceiling(result)
+        self.assertEqual([row["setting"] for row in rows], list(CEILING_SETTINGS))
+        for entry in result["prompts"]:
+            for name, run in entry["runs"].items():
+                with self.subTest(prompt=entry["prompt_id"], setting=name):
+                    self.assertTrue(run["identical"], "float32: every setting writes plain greedy's text")
+                    # The prefill's token, then every step's: the steps account for the whole text.
+                    self.assertEqual(run["accepted"] + 1, entry["tokens"])
+                    # What a step accepted beyond its model token lies on a path of the tree it was offered: a
+                    # record out of line with the text (an offset off by one) finds shallower matches.
+                    self.assertGreaterEqual(run["ceiling"]["any"], run["accepted"])
+                    self.assertGreaterEqual(run["offered"], run["verified"])
+        by_setting = {row["setting"]: row for row in rows}
+        self.assertGreater(by_setting["auto, flat curve"]["tokens_per_step"], 1.0, "these prompts repeat themselves")
+        self.assertEqual(by_setting["auto, flat curve"]["window_share"], 1.0, "a flat curve always runs the window")
+        self.assertIn("| split (2) | auto, bf16 curve |", format_ceiling_table(rows, result))
+        with self.assertRaisesRegex(ValueError, "--dtype bfloat16"):
+            run_ceiling(
+                SimpleNamespace(**{**vars(args), "dtype": "bfloat16"}), tiny_model("llama").bfloat16(), None, []
+            )
 
 
 class QualityHarnessTest(unittest.TestCase):

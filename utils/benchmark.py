@@ -65,6 +65,7 @@ from utils.memory_benchmark import (  # noqa: E402
 )
 from utils.plotting import grouped_bars  # noqa: E402
 from utils.quality import format_quality_table, run_quality, summarize_quality  # noqa: E402
+from utils.step_ceiling import format_ceiling_table, run_ceiling, summarize_ceiling  # noqa: E402
 from utils.timing import ForwardTimer, Run  # noqa: E402
 from utils.tiny_models import left_padded  # noqa: E402
 
@@ -801,6 +802,12 @@ def main(argv: list[str] | None = None) -> None:
         help="plain vs lookahead continuous batching vs lookahead generate one request at a time, at each "
         "--concurrency (utils/cb_benchmark.py)",
     )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help='what "auto" steps were offered, verified and accepted, priced by fixed cost curves, in float32 '
+        "(utils/step_ceiling.py)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
@@ -812,6 +819,8 @@ def main(argv: list[str] | None = None) -> None:
     args.command = "python utils/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.ceiling and args.dtype == "auto":
+        args.dtype = "float32"  # Its texts must be plain greedy's, so that what each step could accept is known.
     if args.dtype == "auto":
         native = native_half_precision(_device(args))
         args.dtype = native or "float32"
@@ -856,6 +865,11 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, device = _load(args)
         result = run_quality(args, model, tokenizer)
         _write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
+        return
+    if args.ceiling:
+        model, tokenizer, device = _load(args)
+        result = run_ceiling(args, model, tokenizer, _prompts(args, tokenizer, device))
+        _write_report(out / "ceiling", result, args, device, summarize_ceiling, format_ceiling_table)
         return
     if args.continuous_batching:
         model, tokenizer, device = _load(args, attn_implementation="sdpa")

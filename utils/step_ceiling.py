@@ -1,0 +1,225 @@
+"""
+`utils/benchmark.py --ceiling`: is `lookahead_window="auto"` limited by the candidates its steps have, or by how it
+prices long steps?
+
+It decodes in float32, where every method's text is plain greedy's, so that what each step could have accepted is
+known: for every step, the deepest path of the whole candidate tree the step was offered (pool n-grams, the context's
+copy, the suffix memory) that matches the text, against what the step verified and accepted. Each setting prices
+steps with a fixed cost curve instead of this machine's timings (the policy's duration learning is off), so its
+decisions, and the table, do not depend on the machine: `bf16` is the curve measured for the model in bfloat16 on a
+CPU with native bf16 (where a pass of 8 tokens costs about one token's), `flat` says that every step costs one
+token's, so the policy verifies every candidate and runs the widest window. Each setting's forward time is then
+projected with the model's bf16 curve: generated tokens over the summed relative costs of its passes (plain greedy:
+1 per token), what the flat cost curve is worth if the machine's passes cost what the curve says, without host time.
+
+    python utils/benchmark.py --ceiling --num-prompts 5 --max-new-tokens 128 --threads 2
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+
+from transformers_lookahead import configuration_lookahead, lookahead_decoding
+from transformers_lookahead.auto_tuning import AUTO_TUNING
+from transformers_lookahead.cost_model import StepCostModel
+from transformers_lookahead.lookahead_state import LookaheadState
+from transformers_lookahead.ngram_pool import TokenTree
+from transformers_lookahead.step_policy import AdaptiveStepPolicy
+
+# Cost of a forward pass of T tokens relative to one token, bf16, 2 threads, on the development CPU with AVX512-BF16
+# (issue 19's measurement; 300-token context).
+BFLOAT16_CURVES = {
+    "smollm2": StepCostModel({1: 1.0, 2: 0.91, 4: 0.95, 8: 1.06, 16: 1.23, 32: 1.65}),
+    "qwen-coder": StepCostModel({1: 1.0, 2: 0.98, 4: 1.03, 8: 1.15, 16: 1.44, 32: 1.95}),
+}
+FLAT = StepCostModel({1: 1.0, 2: 1.0})
+# name: (pricing, generate arguments, `AUTO_TUNING` fields changed)
+CEILING_SETTINGS = {
+    "auto, bf16 curve": ("bf16", {}, {}),
+    "auto, flat curve": ("flat", {}, {}),
+    "auto, flat curve, G=16, context 16": ("flat", {"lookahead_guess": 16}, {"context_depth": 16}),
+    "auto, flat curve, N=8, G=16, context 32": (
+        "flat",
+        {"lookahead_ngram": 8, "lookahead_guess": 16},
+        {"context_depth": 32},
+    ),
+}
+SOURCES = ("pool", "context", "memory")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """
+    One step of a sequence as the policy saw it.
+
+    Args:
+        start (`int`): the index, among the generated tokens, of the step's first new token.
+        length (`int`): the tokens the step fed to the model.
+        accepted (`int`): the tokens it accepted (its matched candidates, plus one).
+        window (`bool`): whether it ran the window.
+        verified (`int`): candidate nodes it verified.
+        offered (`TokenTree`): every candidate it was offered.
+    """
+
+    start: int
+    length: int
+    accepted: int
+    window: bool
+    verified: int
+    offered: TokenTree
+
+
+def deepest_match(tree: TokenTree, continuation: list[int], source: str | None = None) -> int:
+    """
+    How many tokens of `continuation` a path of `tree` matches from its key, walking only through nodes of `source`
+    (`"pool"`, `"context"`, `"memory"`; `None`: any node).
+    """
+    node, depth = -1, 0
+    for token in continuation:
+        child = tree.child(node, token)
+        if child is None or (source is not None and not _from(tree, child, source)):
+            break
+        node, depth = child, depth + 1
+    return depth
+
+
+def _from(tree: TokenTree, node: int, source: str) -> bool:
+    if source == "pool":
+        return tree.counts[node] > 0
+    if source == "context":
+        return tree.in_context[node]
+    return tree.memory_counts[node] > 0
+
+
+def run_ceiling(args, model, tokenizer, prompts) -> dict:
+    """
+    Plain greedy, then every setting of `CEILING_SETTINGS`, on each prompt; each lookahead step recorded.
+
+    Args:
+        prompts (`list`): `(prompt_id, category, input_ids, prompt_length)` as the benchmark builds them.
+    """
+    from tqdm.auto import tqdm
+
+    if model.dtype != torch.float32:
+        raise ValueError(f"--ceiling decodes in float32 (its texts must be plain greedy's), got --dtype {args.dtype}.")
+    curve = BFLOAT16_CURVES.get(args.model or "smollm2")
+    if curve is None:
+        raise ValueError(
+            f"--ceiling knows the bf16 cost curve of {sorted(BFLOAT16_CURVES)}, not --model {args.model}."
+        )
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    results = []
+    for prompt_id, category, ids, prompt_length in tqdm(prompts, desc="ceiling", unit="prompt"):
+        reference = model.generate(ids, **common)[0, prompt_length:].tolist()
+        runs = {}
+        for name, (pricing, kwargs, tuning) in CEILING_SETTINGS.items():
+            steps: list[StepRecord] = []
+            with _recorded(steps, curve if pricing == "bf16" else FLAT, tuning):
+                out = model.generate(ids, **common, lookahead_window="auto", lookahead_memory=False, **kwargs)
+            generated = out[0, prompt_length:].tolist()
+            runs[name] = _summarize_steps(steps, generated, curve) | {"identical": generated == reference}
+        results.append({"prompt_id": prompt_id, "category": category, "tokens": len(reference), "runs": runs})
+    return {"prompts": results, "bf16_curve": dict(zip(curve.lengths, curve.costs))}
+
+
+def _recorded(steps: list[StepRecord], pricing: StepCostModel, tuning: dict) -> ExitStack:
+    """Prices steps with `pricing` (durations ignored), applies `tuning`, and records every step into `steps`."""
+    observe = AdaptiveStepPolicy.observe
+
+    def recording(policy, choice, verdict, pool, key):
+        start = sum(step.accepted for step in steps) + 1  # The prefill chose the first token.
+        length = choice.offer.pending + (policy.window_length if choice.use_window else 0) + len(choice.tree)
+        steps.append(
+            StepRecord(start, length, len(verdict.tokens), choice.use_window, len(choice.tree), choice.offer.tree)
+        )
+        return observe(policy, choice, verdict, pool, key)
+
+    stack = ExitStack()
+    tuned = replace(AUTO_TUNING, **tuning)
+    stack.enter_context(mock.patch.object(AdaptiveStepPolicy, "observe", recording))
+    stack.enter_context(mock.patch.object(AdaptiveStepPolicy, "observe_duration", lambda *args: None))
+    stack.enter_context(mock.patch.object(LookaheadState, "cost_model", return_value=pricing))
+    for module in (lookahead_decoding, configuration_lookahead):
+        stack.enter_context(mock.patch.object(module, "AUTO_TUNING", tuned))
+    return stack
+
+
+def _summarize_steps(steps: list[StepRecord], generated: list[int], curve: StepCostModel) -> dict:
+    """Per run: its steps' tokens, lengths and projected costs, and what its offered trees held."""
+    ceiling = {source: 0 for source in (*SOURCES, "any")}
+    missed_steps = 0
+    for step in steps:
+        continuation = generated[step.start :]
+        best = deepest_match(step.offered, continuation)
+        ceiling["any"] += 1 + best
+        for source in SOURCES:
+            ceiling[source] += 1 + deepest_match(step.offered, continuation, source)
+        missed_steps += best > step.accepted - 1
+    return {
+        "steps": len(steps),
+        "accepted": sum(step.accepted for step in steps),
+        "fed": sum(step.length for step in steps),
+        "window_steps": sum(step.window for step in steps),
+        "verified": sum(step.verified for step in steps),
+        "offered": sum(len(step.offered) for step in steps),
+        "cost": sum(curve(step.length) for step in steps),
+        "ceiling": ceiling,
+        "missed_steps": missed_steps,
+    }
+
+
+def summarize_ceiling(result: dict) -> list[dict]:
+    """One row per split and setting: tokens per step, what the offered trees held, the projected speed-up."""
+    rows = []
+    splits = sorted({prompt["prompt_id"].split("/")[0] for prompt in result["prompts"]})
+    for split in splits:
+        prompts = [prompt for prompt in result["prompts"] if prompt["prompt_id"].split("/")[0] == split]
+        for name in CEILING_SETTINGS:
+            runs = [prompt["runs"][name] for prompt in prompts]
+            steps = sum(run["steps"] for run in runs)
+            accepted = sum(run["accepted"] for run in runs)
+            rows.append(
+                {
+                    "split": f"{split} ({len(prompts)})",
+                    "setting": name,
+                    "tokens_per_step": accepted / steps,
+                    "fed_per_step": sum(run["fed"] for run in runs) / steps,
+                    "window_share": sum(run["window_steps"] for run in runs) / steps,
+                    "verified_per_step": sum(run["verified"] for run in runs) / steps,
+                    "offered_per_step": sum(run["offered"] for run in runs) / steps,
+                    "ceiling_per_step": {
+                        source: sum(run["ceiling"][source] for run in runs) / steps for source in (*SOURCES, "any")
+                    },
+                    "missed_share": sum(run["missed_steps"] for run in runs) / steps,
+                    "projected_speedup": accepted / sum(run["cost"] for run in runs),
+                    "median_prompt_speedup": statistics.median(run["accepted"] / run["cost"] for run in runs),
+                    "identical": sum(run["identical"] for run in runs),
+                    "prompts": len(runs),
+                }
+            )
+    return rows
+
+
+def format_ceiling_table(rows: list[dict], result: dict) -> str:
+    curve = ", ".join(f"{length}: {cost}" for length, cost in result["bf16_curve"].items())
+    lines = [
+        "| split | setting | tokens / step | fed / step | window steps | verified / offered nodes | offered tree's "
+        "best (pool / context / memory / any) | steps that left tokens | projected vs greedy (median prompt) | "
+        "identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        best = " / ".join(f"{row['ceiling_per_step'][source]:.2f}" for source in (*SOURCES, "any"))
+        lines.append(
+            f"| {row['split']} | {row['setting']} | {row['tokens_per_step']:.2f} | {row['fed_per_step']:.1f} | "
+            f"{row['window_share']:.0%} | {row['verified_per_step']:.1f} / {row['offered_per_step']:.1f} | {best} | "
+            f"{row['missed_share']:.0%} | {row['projected_speedup']:.2f}x ({row['median_prompt_speedup']:.2f}x) | "
+            f"{row['identical']}/{row['prompts']} |"
+        )
+    lines.append(f"\nprojected with the bf16 cost curve {{{curve}}} (decode steps only, no host time)")
+    return "\n".join(lines)
