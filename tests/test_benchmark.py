@@ -1,3 +1,4 @@
+import threading
 import unittest
 from types import SimpleNamespace
 from unittest import mock
@@ -6,6 +7,7 @@ import torch
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.ngram_pool import TokenTree
+from utils import cb_benchmark
 from utils.benchmark import (
     REFERENCE,
     SPEECH,
@@ -494,9 +496,18 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
         prompts = [(f"p{i}", "x", random_prompt(6 + i, seed=i), 6 + i) for i in range(3)]
         args = SimpleNamespace(concurrency=[1, 2], repeats=1, max_new_tokens=12)
-        with flat_step_costs():
+        serve, engines_alive = cb_benchmark._serve_closed_loop, []
+
+        def counted_serve(*arguments, **kwargs):
+            engines_alive.append(sum("_run_generation_loop" in thread.name for thread in threading.enumerate()))
+            return serve(*arguments, **kwargs)
+
+        with flat_step_costs(), mock.patch.object(cb_benchmark, "_serve_closed_loop", counted_serve):
             result = run_continuous_batching(args, model, tokenizer, prompts)
         self.assertEqual(len(result["runs"]), 2 * len(CB_ENGINES))
+        # Only the engine measured runs (an idle one beside it slowed it by a third), and none is left running.
+        self.assertEqual(engines_alive, [1] * (2 + 2 * 2))
+        self.assertFalse(any("_run_generation_loop" in thread.name for thread in threading.enumerate()))
         rows = summarize_continuous_batching(result)
         self.assertEqual(
             [(row["concurrency"], row["engine"]) for row in rows], [(c, e) for c in (1, 2) for e in CB_ENGINES]

@@ -222,6 +222,21 @@ class _SlowPasses:
         time.sleep(self.fixed + self.per_token * max(0, queries - self.free_tokens))
 
 
+class _SlowVerification:
+    """Makes the host's verification of each request whose block verified candidates take `seconds` more."""
+
+    def __init__(self, seconds: float):
+        settle = LookaheadBatching.settle
+
+        def slow_settle(batching, state, return_logprobs):
+            step = batching.steps.get(state.request_id)
+            if step is not None and step.row.length > 1:
+                time.sleep(seconds)
+            return settle(batching, state, return_logprobs)
+
+        self.patch = mock.patch.object(LookaheadBatching, "settle", slow_settle)
+
+
 class ContinuousBatchingLoadTest(unittest.TestCase):
     def test_a_full_batch_takes_one_token_steps(self):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
@@ -254,22 +269,25 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
             ("tokens_cost", {"per_token": 0.005}, False),
             # 40 ms a pass whatever it holds: extra tokens are about free.
             ("passes_cost", {"fixed": 0.04}, True),
+            # Passes as above, but verifying a request's candidates takes the host 160 ms: a step that verifies
+            # costs 5 one-token steps, which a random model's candidates never pay for.
+            ("verification_costs", {"fixed": 0.04}, False, 0.16),
         ]
     )
-    def test_the_engine_prices_steps_by_its_own_passes(self, _, slowness, verifies_several):
+    def test_the_engine_prices_steps_by_its_own_steps(self, _, slowness, verifies_several, verification=0.0):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
         prompt = random_prompt(8, seed=7)[0].tolist()
-        with flat_step_costs():
-            # The table says every step length costs one token: only the engine's own passes tell otherwise.
+        with flat_step_costs(), _SlowVerification(verification).patch:
+            # The table says every step length costs one token: only the engine's own steps tell otherwise.
             slow = _SlowPasses(model, **slowness)
             self.addCleanup(slow.handle.remove)
             out = model.generate_batch(
                 [prompt], _config(64, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
             )
         self.assertEqual(len(out["req_0"].generated_tokens), 64)
-        # The engine fits every pass, its prefill included: the passes after `engine_passes_needed` of them are
+        # The engine fits every step, its prefill included: the steps after `engine_steps_needed` of them are
         # priced by the fit, the ones between the prefill and those by the table.
-        needed = AUTO_TUNING.engine_passes_needed
+        needed = AUTO_TUNING.engine_steps_needed
         table_priced, learnt = slow.queries[1:needed], slow.queries[needed:]
         self.assertGreater(len(learnt), 4)
         self.assertGreater(min(table_priced), 16, "the flat table verifies whole windows and trees")

@@ -16,7 +16,9 @@ Lookahead runs without its suffix memory (`lookahead_memory=False`): the levels 
 prompts, and a memory would answer each from the one before (`--memory` measures the memory on its own).
 
 Both engines get the same size (`ENGINE_BLOCKS` pages of 256 tokens, `ENGINE_BATCH_TOKENS` tokens per forward pass):
-by default each would size its cache from the machine's free memory, and two of them do not fit side by side.
+by default each sizes its cache from the machine's free memory. Each run starts its engine fresh and stops it after,
+as `generate_batch` does: an idle engine left running beside the measured one slowed it by a third on a 2-core CPU
+(its background thread polls for requests), plain and lookahead alike.
 """
 
 from __future__ import annotations
@@ -166,38 +168,43 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     ids = [item[2][0].tolist() for item in prompts]
     plain_config = engine_config(tokenizer, args.max_new_tokens, lookahead=False)
     lookahead_config = engine_config(tokenizer, args.max_new_tokens, lookahead=True)
+    configs = {"plain_cb": plain_config, "lookahead_cb": lookahead_config}
     timer = ForwardTimer(model)
-    managers = {
-        name: model.init_continuous_batching(
-            config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
-        )
-        for name, config in (("plain_cb", plain_config), ("lookahead_cb", lookahead_config))
-    }
-    for manager in managers.values():
-        manager.start()
+    # Warm-up: the lookahead engine measures its cost table on its first request (kept by the model's state).
+    for config in configs.values():
+        _serve_fresh_engine(model, config, ids[:2], 2, 8)
+    _generate_closed_loop(model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
     runs = []
-    try:
-        # Warm-up: the lookahead engine measures its cost table on its first request.
-        for manager in managers.values():
-            _serve_closed_loop(manager, ids[:2], 2, 8)
-        _generate_closed_loop(model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
-        progress = tqdm(total=len(args.concurrency) * args.repeats * len(ENGINES), desc="continuous batching")
-        for concurrency in args.concurrency:
-            for repeat in range(args.repeats):
-                for engine in ENGINES:
+    progress = tqdm(total=len(args.concurrency) * args.repeats * len(ENGINES), desc="continuous batching")
+    for concurrency in args.concurrency:
+        for repeat in range(args.repeats):
+            for engine in ENGINES:
+                if engine == "generate_one_at_a_time":
                     timer.reset()
-                    if engine == "generate_one_at_a_time":
-                        run = _generate_closed_loop(model, ids, concurrency, lookahead_config)
-                    else:
-                        run = _serve_closed_loop(managers[engine], ids, concurrency, args.max_new_tokens)
-                    run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
-                    runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
-                    progress.update()
-        progress.close()
-    finally:
-        for manager in managers.values():
-            manager.stop(block=True, timeout=30)
+                    run = _generate_closed_loop(model, ids, concurrency, lookahead_config)
+                else:
+                    run = _serve_fresh_engine(model, configs[engine], ids, concurrency, args.max_new_tokens, timer)
+                run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
+                runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
+                progress.update()
+    progress.close()
     return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
+
+
+def _serve_fresh_engine(
+    model, config: GenerationConfig, prompts: list[list[int]], concurrency: int, max_new_tokens: int, timer=None
+) -> dict:
+    """Starts an engine for `config`, replays `prompts` through it (`_serve_closed_loop`), and stops it."""
+    manager = model.init_continuous_batching(
+        config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
+    )
+    manager.start()
+    try:
+        if timer is not None:
+            timer.reset()  # the engine's start-up is not one of its passes
+        return _serve_closed_loop(manager, prompts, concurrency, max_new_tokens)
+    finally:
+        manager.stop(block=True, timeout=30)
 
 
 def summarize_continuous_batching(result: dict) -> list[dict]:

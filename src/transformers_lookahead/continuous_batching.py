@@ -139,11 +139,12 @@ class LookaheadBatching:
     Transformers prepared and says which rows need logits, `settle` verifies each request and appends what it
     accepted, and `commit` moves the accepted KV entries into place and gives back the pages past them.
 
-    With `lookahead_window="auto"` a step is priced as one forward pass of the whole batch: the step settles on one
-    length per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly
-    loaded engine verifies many tokens per request and a full one takes one-token steps, which is plain continuous
-    batching. That cost comes from the engine's own passes once it has run a few (`EngineStepCost`), and from the
-    model's cost table before.
+    With `lookahead_window="auto"` a step is priced as one step of the whole batch: the step settles on one length
+    per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly loaded
+    engine verifies many tokens per request and a full one takes one-token steps, which is plain continuous batching.
+    That cost comes from the engine's own steps once it has run a few (`EngineStepCost`: the forward pass and the
+    host's verification and cache moves, which grow with the requests a step verifies), and from the model's cost
+    table before.
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -175,9 +176,9 @@ class LookaheadBatching:
         self.cost = cost
         self.engine_cost = None
         if cost is not None:
-            self.engine_cost = EngineStepCost(cost, AUTO_TUNING.engine_passes_kept, AUTO_TUNING.engine_passes_needed)
-        # Query and key tokens of the pass `lay_out` prepared, for `observe_pass`.
-        self.pass_shape: tuple[int, int] | None = None
+            self.engine_cost = EngineStepCost(cost, AUTO_TUNING.engine_steps_kept, AUTO_TUNING.engine_steps_needed)
+        # Query and key tokens of the pass `lay_out` prepared, and the requests it verifies, for `observe_step`.
+        self.step_shape: tuple[int, int, int] | None = None
         if config.adaptive:
             self.window_size = choose_window(cost, config.levels, AUTO_TUNING.max_window)
         else:
@@ -284,7 +285,7 @@ class LookaheadBatching:
         starts = io.cumulative_seqlens_q[: count + 1].tolist()
         key_starts = {name: seqlens[: count + 1].tolist() for name, seqlens in io.cumulative_seqlens_k.items()}
         rows, self.logits_rows = [], {}
-        self.pass_shape = (starts[-1], max(keys[-1] for keys in key_starts.values()))
+        verified = 0
         for index, future in enumerate(io.requests_in_batch):
             if not future.has_new_token:
                 continue
@@ -308,12 +309,15 @@ class LookaheadBatching:
                     mask[0, 0, start:end, key_start : key_start + row.length] = hidden.to(mask)
             self.logits_rows[request_id] = (len(rows), row.logits_rows.shape[0])
             rows.extend((start + row.logits_rows).tolist())
+            verified += 1
+        self.step_shape = (starts[-1], max(keys[-1] for keys in key_starts.values()), verified)
         return torch.tensor(rows, dtype=torch.long, device=io.input_ids.device)
 
-    def observe_pass(self, seconds: float) -> None:
-        """Learns the engine's cost from the forward pass `lay_out` prepared, which took `seconds`."""
-        if self.engine_cost is not None and self.pass_shape is not None:
-            self.engine_cost.observe(*self.pass_shape, seconds)
+    def observe_step(self, seconds: float) -> None:
+        """Learns the engine's cost from the step `lay_out` prepared, which took `seconds` in all."""
+        if self.engine_cost is not None and self.step_shape is not None:
+            self.engine_cost.observe(*self.step_shape, seconds)
+        self.step_shape = None
 
     # Settling, after the forward pass.
 
@@ -441,6 +445,7 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
         processor.__class__ = cls
         processor.lookahead = lookahead
         processor.step_rows = None
+        processor.step_started = 0.0
         return processor
 
     def reset(self) -> None:
@@ -448,6 +453,8 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
         self.lookahead.reset()
 
     def prepare_next_batch(self) -> bool:
+        # A step is priced whole (`EngineStepCost`): from here, planning, to `update_batch`'s last cache move.
+        self.step_started = time.perf_counter()
         scheduler = self.scheduler
         self.lookahead.plan(scheduler.active_requests, requests_wait=bool(scheduler.waiting_requests))
         ready = super().prepare_next_batch()
@@ -462,7 +469,6 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
         batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
         rows = self.step_rows
         batch["logits_indices"] = rows
-        start = time.perf_counter()
         if self.model_runner.supports_logits_to_keep(model):
             batch["logits_to_keep"] = rows
             logits = model(**batch).logits[0]
@@ -470,9 +476,6 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
             logits = model(**batch).logits[0, rows]
         # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`.
         self.lookahead.logits = logits
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
-        self.lookahead.observe_pass(time.perf_counter() - start)
 
     def update_batch(self) -> None:
         settled = []
@@ -500,6 +503,8 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
             if state.streaming or finished:
                 output = state.to_generation_output()
                 outputs.append(LookaheadGenerationOutput(**vars(output), accepted_per_step=list(lookahead.accepted)))
+        # Verification read the logits on the host, so the device's work is done by now.
+        self.lookahead.observe_step(time.perf_counter() - self.step_started)
         if outputs:
             self.output_router.deliver_batch(outputs)
 

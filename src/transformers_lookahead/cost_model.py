@@ -141,77 +141,91 @@ class StepCostModel:
 
 class EngineStepCost:
     """
-    What a forward pass of a continuous-batching engine costs, learnt from the engine's own passes.
+    What a step of a continuous-batching engine costs, learnt from the engine's own steps.
 
     The `StepCostModel` table times one sequence's passes over a contiguous cache. A pass of Transformers' paged
     engine also gathers every scheduled request's pages and masks all of the batch's query tokens against all of its
     keys, so its time grows with the keys and with queries x keys as well, and more steeply with load than the table
-    says. Its time is fitted as
+    says. Around the pass the host lays out the batch and its mask, then verifies each request and moves its accepted
+    entries into place: work that a one-token step of plain continuous batching does not do, and that grows with the
+    requests a step verifies. A whole step (forward pass and host work) is fitted as
 
-        seconds = a + b * table(Q) + c * Q + d * K + e * Q * K
+        seconds = a + b * table(Q) + c * Q + d * K + e * Q * K + f * V
 
-    (Q query tokens and K key tokens in the pass; every coefficient clipped at zero) by least squares over the
-    latest `passes_kept` passes, so the fit follows the load as requests come and go.
+    (Q query tokens and K key tokens in the pass, V requests verifying candidates; every coefficient clipped at zero)
+    by least squares over the latest `steps_kept` steps, so the fit follows the load as requests come and go. The fit
+    minimises relative errors: what it prices are decoding steps of tens of query tokens, and a prefill chunk of a
+    thousand, taking several times longer, would otherwise decide the fit by its absolute error alone.
 
     Args:
         table (`StepCostModel`): the model's step-cost table.
-        passes_kept (`int`): how many of the latest passes the fit uses.
-        passes_needed (`int`): the passes seen before `for_batch` answers (the engine prices with the table until
+        steps_kept (`int`): how many of the latest steps the fit uses.
+        steps_needed (`int`): the steps seen before `for_batch` answers (the engine prices with the table until
             then).
     """
 
-    def __init__(self, table: StepCostModel, passes_kept: int, passes_needed: int):
-        if not 1 <= passes_needed <= passes_kept:
-            raise ValueError(f"Need 1 <= passes_needed <= passes_kept, got {passes_needed} and {passes_kept}.")
+    def __init__(self, table: StepCostModel, steps_kept: int, steps_needed: int):
+        if not 1 <= steps_needed <= steps_kept:
+            raise ValueError(f"Need 1 <= steps_needed <= steps_kept, got {steps_needed} and {steps_kept}.")
         self.table = table
-        self.passes_needed = passes_needed
-        self._passes: deque[tuple[float, ...]] = deque(maxlen=passes_kept)
+        self.steps_needed = steps_needed
+        self._steps: deque[tuple[float, ...]] = deque(maxlen=steps_kept)
         self._coefficients: list[float] | None = None
 
-    def _features(self, queries: int, keys: int) -> tuple[float, ...]:
-        return (1.0, self.table(queries), float(queries), float(keys), float(queries * keys))
+    def _features(self, queries: int, keys: int, verified: int) -> tuple[float, ...]:
+        return (1.0, self.table(queries), float(queries), float(keys), float(queries * keys), float(verified))
 
-    def observe(self, queries: int, keys: int, seconds: float) -> None:
+    def observe(self, queries: int, keys: int, verified: int, seconds: float) -> None:
         """
-        Records one forward pass of the engine.
+        Records one step of the engine.
 
         Args:
-            queries (`int`): the query tokens of the pass, every request's together.
-            keys (`int`): the key tokens of the pass (cached and new), every request's together.
-            seconds (`float`): how long the pass took.
+            queries (`int`): the query tokens of its forward pass, every request's together.
+            keys (`int`): the key tokens of its forward pass (cached and new), every request's together.
+            verified (`int`): the requests whose block verified candidates.
+            seconds (`float`): how long the step took, from laying out its batch to the last cache move.
         """
-        self._passes.append((*self._features(queries, keys), seconds))
-        self._coefficients = None
+        if seconds > 0.0:
+            self._steps.append((*self._features(queries, keys, verified), seconds))
+            self._coefficients = None
 
-    def seconds(self, queries: int, keys: int) -> float | None:
-        """The fitted time of a pass of `queries` query tokens over `keys` keys; `None` before `passes_needed`."""
-        if len(self._passes) < self.passes_needed:
+    def seconds(self, queries: int, keys: int, verified: int = 0) -> float | None:
+        """The fitted time of a step of `queries` query tokens over `keys` keys verifying `verified` requests;
+        `None` before `steps_needed` steps."""
+        if len(self._steps) < self.steps_needed:
             return None
         if self._coefficients is None:
-            self._coefficients = _non_negative_fit(self._passes)
-        return sum(c * f for c, f in zip(self._coefficients, self._features(queries, keys)))
+            self._coefficients = _non_negative_fit(self._steps)
+        return sum(c * f for c, f in zip(self._coefficients, self._features(queries, keys, verified)))
 
     def for_batch(self, batch_size: int, cached_keys: int) -> Callable[[int], float] | None:
         """
         The cost of a step of T tokens for each of `batch_size` decoding requests whose caches hold `cached_keys`
-        entries together, relative to a one-token step of them; `None` until `passes_needed` passes were seen.
+        entries together, relative to a one-token step of them (which verifies nothing); `None` until `steps_needed`
+        steps were seen.
         """
         base = self.seconds(batch_size, cached_keys + batch_size)
         if base is None or base <= 0.0:
             return None
-        return lambda length: self.seconds(batch_size * length, cached_keys + batch_size * length) / base
+
+        def relative(length: int) -> float:
+            verified = batch_size if length > 1 else 0
+            return self.seconds(batch_size * length, cached_keys + batch_size * length, verified) / base
+
+        return relative
 
 
-def _non_negative_fit(passes: deque[tuple[float, ...]]) -> list[float]:
+def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     """
-    Least squares of the last column on the others, with no negative coefficient: the most negative one is dropped
-    and the rest fitted again (a time is never made smaller by more tokens).
+    Least squares of the last column (positive) on the others, on relative errors, with no negative coefficient:
+    the most negative one is dropped and the rest fitted again (a time is never made smaller by more tokens).
 
-    It runs once per engine step, so in numpy: `torch.linalg.lstsq` took about 0.8 ms for 64 passes here, numpy's
+    It runs once per engine step, so in numpy: `torch.linalg.lstsq` took about 0.8 ms for 64 rows here, numpy's
     (the same LAPACK driver, coefficients equal to 1e-14) 0.05 ms.
     """
-    data = np.asarray(passes, dtype=np.float64)
-    features, seconds = data[:, :-1], data[:, -1]
+    data = np.asarray(rows, dtype=np.float64)
+    # Each row divided by its time: the residuals are then relative errors.
+    features, seconds = data[:, :-1] / data[:, -1:], np.ones(data.shape[0])
     # Columns range from 1 to queries x keys (~1e5): scaled alike, none reads as rank-deficient.
     scale = np.maximum(np.abs(features).max(axis=0), 1e-12)
     scaled = features / scale
