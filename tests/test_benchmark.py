@@ -502,12 +502,20 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
             engines_alive.append(sum("_run_generation_loop" in thread.name for thread in threading.enumerate()))
             return serve(*arguments, **kwargs)
 
+        on_main_thread = []
+        hook = model.register_forward_pre_hook(
+            lambda *_: on_main_thread.append(threading.current_thread() is threading.main_thread())
+        )
+        self.addCleanup(hook.remove)
         with flat_step_costs(), mock.patch.object(cb_benchmark, "_serve_closed_loop", counted_serve):
             result = run_continuous_batching(args, model, tokenizer, prompts)
         self.assertEqual(len(result["runs"]), 2 * len(CB_ENGINES))
         # Only the engine measured runs (an idle one beside it slowed it by a third), and none is left running.
         self.assertEqual(engines_alive, [1] * (2 + 2 * 2))
         self.assertFalse(any("_run_generation_loop" in thread.name for thread in threading.enumerate()))
+        # Nor does the main thread run forward passes, whose thread pool would stay beside the engines'.
+        self.assertGreater(len(on_main_thread), 0)
+        self.assertNotIn(True, on_main_thread)
         rows = summarize_continuous_batching(result)
         self.assertEqual(
             [(row["concurrency"], row["engine"]) for row in rows], [(c, e) for c in (1, 2) for e in CB_ENGINES]

@@ -17,8 +17,9 @@ prompts, and a memory would answer each from the one before (`--memory` measures
 
 Both engines get the same size (`ENGINE_BLOCKS` pages of 256 tokens, `ENGINE_BATCH_TOKENS` tokens per forward pass):
 by default each sizes its cache from the machine's free memory. Each run starts its engine fresh and stops it after,
-as `generate_batch` does: an idle engine left running beside the measured one slowed it by a third on a 2-core CPU
-(its background thread polls for requests), plain and lookahead alike.
+as `generate_batch` does, and all of a run's torch work happens in threads that end with it (`_in_own_thread`): on a
+2-core CPU an idle engine left running beside the measured one slowed it by a third, and so did a thread that had
+run forward passes earlier and was still alive (see `_in_own_thread`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -172,8 +174,8 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     timer = ForwardTimer(model)
     # Warm-up: the lookahead engine measures its cost table on its first request (kept by the model's state).
     for config in configs.values():
-        _serve_fresh_engine(model, config, ids[:2], 2, 8)
-    _generate_closed_loop(model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
+        _in_own_thread(_serve_fresh_engine, model, config, ids[:2], 2, 8)
+    _in_own_thread(_generate_closed_loop, model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
     runs = []
     progress = tqdm(total=len(args.concurrency) * args.repeats * len(ENGINES), desc="continuous batching")
     for concurrency in args.concurrency:
@@ -181,14 +183,28 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
             for engine in ENGINES:
                 if engine == "generate_one_at_a_time":
                     timer.reset()
-                    run = _generate_closed_loop(model, ids, concurrency, lookahead_config)
+                    run = _in_own_thread(_generate_closed_loop, model, ids, concurrency, lookahead_config)
                 else:
-                    run = _serve_fresh_engine(model, configs[engine], ids, concurrency, args.max_new_tokens, timer)
+                    config = configs[engine]
+                    run = _in_own_thread(
+                        _serve_fresh_engine, model, config, ids, concurrency, args.max_new_tokens, timer
+                    )
                 run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
                 runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
                 progress.update()
     progress.close()
     return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
+
+
+def _in_own_thread(function, *args):
+    """
+    `function(*args)`, run in a thread that ends when it returns. On a CPU, torch's OpenMP workers belong to the thread
+    that ran the parallel work, and stay while it lives: after one `generate` call on the main thread, an engine's own
+    thread ran SmolLM2 bf16 at 19.4 tokens/s against 34.7 without that call (one client, 2 cores); the same call on a
+    thread that had ended left it at 34.6.
+    """
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        return executor.submit(function, *args).result()
 
 
 def _serve_fresh_engine(
