@@ -5,6 +5,7 @@ distribution, the fallback to one-token steps under load, and the settings it re
 """
 
 import statistics
+import threading
 import time
 import unittest
 from unittest import mock
@@ -335,6 +336,19 @@ class ContinuousBatchingSamplingTest(unittest.TestCase):
 
 
 class ContinuousBatchingSetupTest(unittest.TestCase):
+    def test_the_cost_table_is_measured_off_the_callers_thread(self):
+        # On a CPU the thread that runs forward passes keeps torch's OpenMP workers while it lives, beside the
+        # engine's own: the measurement runs in a thread that ends.
+        model = enable_lookahead(tiny_model("llama", "sdpa"), LookaheadState(cost_dir=None))
+        threads = []
+        hook = model.register_forward_pre_hook(lambda *_: threads.append(threading.current_thread()))
+        self.addCleanup(hook.remove)
+        manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
+        self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
+        self.assertGreater(len(threads), 16, "the cost table was measured")
+        self.assertNotIn(threading.current_thread(), threads)
+        self.assertFalse(any(thread.is_alive() for thread in threads))
+
     def test_lookahead_off_is_the_stock_engine(self):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
         for config in (_config(), _config(lookahead_window="off")):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -562,8 +563,13 @@ def init_continuous_batching_with_lookahead(
         return stock(generation_config, continuous_batching_config, workload_hints)
     cb_config = _lookahead_cb_config(model, generation, continuous_batching_config)
     state = getattr(model, "lookahead_state", None) or LookaheadState()
-    # Measured while the model still runs its own attention backend (the engine switches `eager` to paged eager).
-    cost = state.cost_model(model) if config.adaptive else None
+    # Measured while the model still runs its own attention backend (the engine switches `eager` to paged eager), and
+    # in a thread that ends: on a CPU, torch's OpenMP workers stay with the thread that ran the passes, and a live
+    # second set of them slowed the engine's own thread by 44% (SmolLM2 bf16, one request, 2 cores).
+    cost = None
+    if config.adaptive:
+        with ThreadPoolExecutor(max_workers=1) as measuring:
+            cost = measuring.submit(state.cost_model, model).result()
     manager = stock(generation_config, cb_config, workload_hints)
     # The stock constructor resolves the engine's settings and switches the attention backend; the lookahead
     # manager differs only in the processor it builds.
