@@ -185,13 +185,15 @@ class EngineStepCost:
             verified (`int`): the requests whose block verified candidates.
             seconds (`float`): how long the step took, from laying out its batch to the last cache move.
         """
-        if seconds > 0.0:
+        if seconds > 0.0:  # the fit divides by it
             self._steps.append((*self._features(queries, keys, verified), seconds))
             self._coefficients = None
 
     def seconds(self, queries: int, keys: int, verified: int = 0) -> float | None:
-        """The fitted time of a step of `queries` query tokens over `keys` keys verifying `verified` requests;
-        `None` before `steps_needed` steps."""
+        """
+        The fitted time of a step of `queries` query tokens over `keys` keys that verifies `verified` requests;
+        `None` before `steps_needed` steps were seen.
+        """
         if len(self._steps) < self.steps_needed:
             return None
         if self._coefficients is None:
@@ -225,14 +227,14 @@ def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     """
     data = np.asarray(rows, dtype=np.float64)
     # Each row divided by its time: the residuals are then relative errors.
-    features, seconds = data[:, :-1] / data[:, -1:], np.ones(data.shape[0])
+    features, target = data[:, :-1] / data[:, -1:], np.ones(data.shape[0])
     # Columns range from 1 to queries x keys (~1e5): scaled alike, none reads as rank-deficient.
     scale = np.maximum(np.abs(features).max(axis=0), 1e-12)
     scaled = features / scale
     active = list(range(features.shape[1]))
     solution = np.zeros(0)
     while active:
-        solution = np.linalg.lstsq(scaled[:, active], seconds, rcond=None)[0]
+        solution = np.linalg.lstsq(scaled[:, active], target, rcond=None)[0]
         if bool((solution >= 0).all()):
             break
         del active[int(solution.argmin())]
