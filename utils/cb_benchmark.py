@@ -18,8 +18,8 @@ prompts, and a memory would answer each from the one before (`--memory` measures
 Both engines get the same size (`ENGINE_BLOCKS` pages of 256 tokens, `ENGINE_BATCH_TOKENS` tokens per forward pass):
 by default each sizes its cache from the machine's free memory. Each run starts its engine fresh and stops it after,
 as `generate_batch` does, and all of a run's torch work happens in threads that end with it (`_in_own_thread`): on a
-2-core CPU an idle engine left running beside the measured one slowed it by a third, and so did a thread that had
-run forward passes earlier and was still alive (see `_in_own_thread`).
+2-core CPU an idle engine left running beside the measured one (its thread had served the warm-up) slowed it by a
+third, and a thread that had run forward passes earlier and was still alive by close to half (see `_in_own_thread`).
 """
 
 from __future__ import annotations
