@@ -224,7 +224,8 @@ class ServeBfloat16Test(unittest.TestCase):
                 )
                 margins, scales = greedy_margins(model, {"input_ids": ids}, texts)
                 self.assertEqual(off_greedy_positions(margins, scales, torch.bfloat16), [])
-                plain = model.generate(ids, **common)
+                # The folder's generation config sets "auto": plain greedy needs "off" here as in the request.
+                plain = model.generate(ids, **common, lookahead_window="off")
                 off = self.client.chat.completions.create(
                     model=str(self.folder), messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body=OFF
                 )
