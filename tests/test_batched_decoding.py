@@ -53,11 +53,18 @@ class BatchedExactnessTest(unittest.TestCase):
                 steps = min(len(accepted) for accepted in out.accepted_per_step)
                 self.assertTrue(any(len({acc[s] for acc in out.accepted_per_step}) > 1 for s in range(steps)))
 
-    @parameterized.expand([("llama",), ("gpt2",), ("qwen3",), ("gemma3",)])
-    def test_bfloat16_rows_are_near_greedy(self, name):
-        # In bfloat16 a multi-token pass (or a batch of rows) rounds otherwise than plain greedy's one-token pass, so
-        # the promise is a near-tie of plain greedy's choice at every token, along each row's own text.
-        model = enable_lookahead(tiny_model(name).to(torch.bfloat16))
+    @parameterized.expand(
+        [
+            (f"{dtype}_{name}", name, dtype)
+            for dtype in ("bfloat16", "float16")
+            for name in ("llama", "gpt2", "qwen3", "gemma3")
+        ]
+    )
+    def test_half_precision_rows_are_near_greedy(self, _, name, dtype):
+        # In half precision a multi-token pass (or a batch of rows) rounds otherwise than plain greedy's one-token
+        # pass, so the promise is a near-tie of plain greedy's choice at every token, along each row's own text.
+        dtype = getattr(torch, dtype)
+        model = enable_lookahead(tiny_model(name).to(dtype))
         inputs = left_padded(mixed_prompts(3))
         for window, ngram, guess in SHAPES:
             # "auto" plans from a flat cost table: with this machine's measured one, its steps (and so whether
@@ -67,7 +74,7 @@ class BatchedExactnessTest(unittest.TestCase):
                 self.assertGreater(max(max(row) for row in out.accepted_per_step), 1, "no step accepted several")
                 margins, scales = greedy_margins(model, inputs, out.sequences[:, -30:])
                 self.assertEqual(margins.shape, (3, 30))
-                self.assertEqual(off_greedy_positions(margins, scales, torch.bfloat16), [])
+                self.assertEqual(off_greedy_positions(margins, scales, dtype), [])
 
     @parameterized.expand([("gather",), ("refeed",)])
     def test_cache_commit_strategies(self, strategy):
@@ -224,7 +231,7 @@ class BatchedExactnessTest(unittest.TestCase):
 class BatchedSamplingTest(unittest.TestCase):
     """Each row of a sampled batch, `num_return_sequences` included, keeps plain sampling's distribution."""
 
-    @parameterized.expand([("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+    @parameterized.expand([("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
     def test_first_tokens_per_row(self, _, dtype):
         vocab = SMALL_VOCABULARY
         model = enable_lookahead(small_vocabulary_model().to(dtype))

@@ -166,7 +166,9 @@ class StaticCacheTest(unittest.TestCase):
 class CompiledStepTest(unittest.TestCase):
     """With a static cache and a compile config, steps have two shapes only, so the forward compiles at most twice."""
 
-    @parameterized.expand([(4, torch.float32), ("auto", torch.float32), (4, torch.bfloat16), ("auto", torch.bfloat16)])
+    @parameterized.expand(
+        [(window, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16) for window in (4, "auto")]
+    )
     def test_compiles_once_per_shape_and_stays_exact(self, window, dtype):
         import torch._dynamo
 
@@ -192,7 +194,7 @@ class CompiledStepTest(unittest.TestCase):
             margins, scales = greedy_margins(
                 model, {"input_ids": prompt}, out.sequences[:, -40:], cache_implementation="static"
             )
-            self.assertEqual(off_greedy_positions(margins, scales, dtype), [], "bfloat16: near-ties of greedy only")
+            self.assertEqual(off_greedy_positions(margins, scales, dtype), [], "half precision: near-ties only")
         self.assertGreater(max(out.accepted_per_step), 1, "multi-token steps must have run")
         self.assertLess(out.num_forward_passes, 40)
         self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 2)

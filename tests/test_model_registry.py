@@ -1,6 +1,6 @@
 """
 The support registry: every tiny model family with every cache class, either token-identical to plain greedy or
-refused with a clear error; and in bfloat16, where no multi-token pass can promise equality with one-token decoding,
+refused with a clear error; and in bfloat16 and float16, where no multi-token pass can promise equality with one-token decoding,
 every generated token a near-tie of plain greedy's choice along the same text (`utils.faithfulness`). `utils/render_registry.py` renders `REGISTRY` into `docs/source/en/model_registry.md`, and
 `test_document_is_current` keeps that page in step with what these tests check.
 """
@@ -21,7 +21,7 @@ from .utils import TINY_CONFIGS, flat_step_costs, random_prompt, tiny_model
 
 EXACT = "exact"
 NEW_TOKENS = 30
-# bfloat16: each token generated is plain greedy's choice, or within `near_tie_tolerance` of it, where plain greedy
+# Half precision: each token generated is plain greedy's choice, or within `near_tie_tolerance` of it, where plain greedy
 # decodes the same text one token per pass.
 NEAR_GREEDY = "near-greedy"
 CACHES = ("dynamic", "static", "offloaded", "quantized")
@@ -56,10 +56,13 @@ BACKENDS = [
     ("flash_attention_2", "needs an attention backend that applies custom 4D masks"),
     ("flex_attention", "is not available on the CPU"),
 ]
-# The caches every family runs in bfloat16 too (the refusals do not depend on the dtype).
+# The caches every family runs in half precision too (the refusals do not depend on the dtype). float16 is native on
+# CPUs with AVX512-FP16 and on accelerators; where it is not, torch still computes it, slowly.
 HALF_PRECISION_CACHES = ("dynamic", "static")
+HALF_PRECISION_DTYPES = ("bfloat16", "float16")
 HALF_PRECISION_REGISTRY = [
-    (name, cache, NEAR_GREEDY)
+    (name, cache, dtype, NEAR_GREEDY)
+    for dtype in HALF_PRECISION_DTYPES
     for name, cache, expected in REGISTRY
     if expected == EXACT and cache in HALF_PRECISION_CACHES
 ]
@@ -166,9 +169,15 @@ class ModelRegistryTest(unittest.TestCase):
         model, inputs = registry_model(name)
         _check(self, model, inputs, expected, cache_implementation=None if cache == "dynamic" else cache)
 
-    @parameterized.expand(HALF_PRECISION_REGISTRY)
-    def test_family_and_cache_in_bfloat16(self, name, cache, expected):
-        model, inputs = registry_model(name, dtype=torch.bfloat16)
+    @parameterized.expand(
+        [
+            (f"{dtype}_{name}_{cache}", name, cache, dtype, expected)
+            for name, cache, dtype, expected in HALF_PRECISION_REGISTRY
+        ]
+    )
+    def test_family_and_cache_in_half_precision(self, _, name, cache, dtype, expected):
+        model, inputs = registry_model(name, dtype=getattr(torch, dtype))
+        self.assertEqual(model.dtype, getattr(torch, dtype))
         _check(self, model, inputs, expected, cache_implementation=None if cache == "dynamic" else cache)
 
     @parameterized.expand(BACKENDS)

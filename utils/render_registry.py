@@ -15,6 +15,7 @@ from tests.test_model_registry import (  # noqa: E402
     ENCODER_DECODERS,
     EXACT,
     HALF_PRECISION_CACHES,
+    HALF_PRECISION_DTYPES,
     HALF_PRECISION_REGISTRY,
     NEAR_GREEDY,
     NEW_TOKENS,
@@ -22,6 +23,8 @@ from tests.test_model_registry import (  # noqa: E402
 )
 from utils.faithfulness import NEAR_TIE_UNITS  # noqa: E402
 from utils.tiny_models import TINY_CONFIGS  # noqa: E402
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def _cell(expected: str) -> str:
@@ -39,30 +42,36 @@ def render() -> str:
         "What the test suite checks for each tiny model family (random weights) and cache: greedy lookahead",
         f'(`lookahead_window=4` and `"auto"`, {NEW_TOKENS} new tokens) in fp32 token-identical to plain greedy `generate`',
         "with the same cache, or refused with an error matching the text shown, before any forward pass (in any",
-        "dtype). In bf16, where a pass over several tokens rounds otherwise than plain greedy's one-token pass, each",
-        "generated token is near-greedy: plain greedy, decoding the same text one token per pass, ranks it within "
-        f"{NEAR_TIE_UNITS:g}",
-        "units of bf16's precision (times the largest logit) of its best (`utils/faithfulness.py`). Every cell also",
-        "requires steps that accepted several tokens. Batches and padding are covered by",
-        "`tests/test_batched_decoding.py`, encoder-decoder batches by `tests/test_encoder_decoder.py`.",
+        "dtype). In bf16 and fp16, where a pass over several tokens rounds otherwise than plain greedy's one-token",
+        "pass, each generated token is near-greedy: plain greedy, decoding the same text one token per pass, ranks it",
+        f"within {NEAR_TIE_UNITS:g} units of the dtype's precision (`torch.finfo(dtype).eps` times the largest logit)",
+        "of its best (`utils/faithfulness.py`). Every cell also requires steps that accepted several tokens. Batches",
+        "and padding are covered by `tests/test_batched_decoding.py`, encoder-decoder batches by",
+        "`tests/test_encoder_decoder.py`.",
         "",
         "| family | architecture | "
         + " | ".join(f"`{cache}` cache" for cache in CACHES)
         + " | "
-        + " | ".join(f"bf16 `{cache}`" for cache in HALF_PRECISION_CACHES)
+        + " | ".join(
+            f"{_SHORT[dtype]} `{cache}`" for dtype in HALF_PRECISION_DTYPES for cache in HALF_PRECISION_CACHES
+        )
         + " |",
-        "|---|---|" + "---|" * (len(CACHES) + len(HALF_PRECISION_CACHES)),
+        "|---|---|" + "---|" * (len(CACHES) + len(HALF_PRECISION_DTYPES) * len(HALF_PRECISION_CACHES)),
     ]
     by_family: dict[str, dict[str, str]] = {}
     for name, cache, expected in REGISTRY:
         by_family.setdefault(name, {})[cache] = expected
-    half: dict[str, dict[str, str]] = {}
-    for name, cache, expected in HALF_PRECISION_REGISTRY:
-        half.setdefault(name, {})[cache] = expected
+    half: dict[str, dict[tuple[str, str], str]] = {}
+    for name, cache, dtype, expected in HALF_PRECISION_REGISTRY:
+        half.setdefault(name, {})[dtype, cache] = expected
     for name, results in by_family.items():
         architecture = TINY_CONFIGS[name][1] if name in TINY_CONFIGS else ENCODER_DECODERS[name]
         cells = [_cell(results[cache]) if cache in results else "-" for cache in CACHES]
-        cells += [_cell(half[name][cache]) if cache in half.get(name, {}) else "-" for cache in HALF_PRECISION_CACHES]
+        cells += [
+            _cell(half[name][dtype, cache]) if (dtype, cache) in half.get(name, {}) else "-"
+            for dtype in HALF_PRECISION_DTYPES
+            for cache in HALF_PRECISION_CACHES
+        ]
         lines.append(f"| {name} | {architecture} | " + " | ".join(cells) + " |")
     lines += ["", "| attention backend | tiny Llama, on the CPU |", "|---|---|"]
     lines += [f"| `{backend}` | {_cell(expected)} |" for backend, expected in BACKENDS]
