@@ -300,6 +300,30 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
             self.assertLessEqual(max(learnt), min(table_priced) / 8)
             self.assertLess(statistics.mean(learnt), 3)
 
+    def test_a_new_engine_starts_from_the_last_engines_fit(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        prompt = random_prompt(8, seed=7)[0].tolist()
+        needed = AUTO_TUNING.engine_steps_needed
+        queries = []
+        with flat_step_costs():
+            # The flat table says every step length costs one token; each query token costs 5 ms.
+            slow = _SlowPasses(model, per_token=0.005)
+            self.addCleanup(slow.handle.remove)
+            for _ in range(2):  # two `generate_batch` calls: two engines, one after the other
+                slow.queries = []
+                model.generate_batch(
+                    [prompt],
+                    _config(64, lookahead_window="auto"),
+                    continuous_batching_config=ENGINE,
+                    progress_bar=False,
+                )
+                queries.append(slow.queries)
+        first, second = queries
+        # The first engine prices its first steps by the table (whole windows and trees); the second prices them by
+        # the steps the first one timed, from its first decoding step on.
+        self.assertGreater(min(first[1:needed]), 16)
+        self.assertLessEqual(max(second[1:needed]), min(first[1:needed]) / 8)
+
 
 class ContinuousBatchingSamplingTest(unittest.TestCase):
     def test_distribution_equals_plain_continuous_batching_sampling(self):

@@ -57,11 +57,20 @@ class LookaheadStateTest(unittest.TestCase):
         self.assertEqual(state.recall((28, 5, 9)), estimates)
         self.assertIsNone(state.recall((4, 5, 9)))
 
+    def test_engine_steps_per_model_key(self):
+        state = LookaheadState(cost_dir=None)
+        steps = ((1.0, 1.0, 4.0, 1.0, 100.0, 400.0, 1.0, 0.05),)
+        state.remember_engine_steps("fp32-key", steps)
+        self.assertEqual(state.recall_engine_steps("fp32-key"), steps)
+        self.assertEqual(state.recall_engine_steps("bf16-key"), ())
+
     def test_copies_start_empty(self):
         state = LookaheadState(cost_dir=None)
         state.remember((1,), PolicyEstimates((0.5,), (0.5,), 1.0, 1.0))
+        state.remember_engine_steps("key", ((1.0, 0.02),))
         for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
             self.assertIsNone(copied.recall((1,)))
+            self.assertEqual(copied.recall_engine_steps("key"), ())
             self.assertIsNone(copied.cost_dir)
 
     def test_enable_lookahead_gives_a_state_once(self):

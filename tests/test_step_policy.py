@@ -148,6 +148,21 @@ class EngineStepCostTest(unittest.TestCase):
             cost.observe(queries, keys, verified, seconds(queries, keys, verified))
         return cost
 
+    def test_history_gives_a_new_engine_the_fit(self):
+        def seconds(queries, keys, verified):
+            return 0.01 + 0.02 * STEEP(queries) + 3e-3 * verified
+
+        earlier = self._engine(seconds, steps=80)
+        history = earlier.history()
+        self.assertEqual(len(history), 64, "only the steps the fit uses are kept")
+        later = EngineStepCost(STEEP, steps_kept=64, steps_needed=16, history=history)
+        self.assertEqual(later.seconds(12, 2000, 4), earlier.seconds(12, 2000, 4))
+        self.assertIsNone(EngineStepCost(STEEP, steps_kept=64, steps_needed=16).seconds(12, 2000, 4))
+        # The new engine's own steps replace the earlier ones as they come.
+        later.observe(1, 100, 0, 0.5)
+        self.assertEqual(later.history()[-1][-1], 0.5)
+        self.assertEqual(len(later.history()), 64)
+
     def test_fits_the_engine_steps(self):
         def seconds(queries, keys, verified):
             return (

@@ -37,7 +37,7 @@ from transformers.generation.continuous_batching.requests import (
 from .auto_tuning import AUTO_TUNING
 from .compatibility import processors_for_row
 from .configuration_lookahead import LookaheadConfig
-from .cost_model import EngineStepCost, StepCostModel
+from .cost_model import EngineStepCost, StepCostModel, model_key
 from .lookahead_decoding import offer_candidates
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
@@ -144,8 +144,9 @@ class LookaheadBatching:
     per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly loaded
     engine verifies many tokens per request and a full one takes one-token steps, which is plain continuous batching.
     That cost comes from the engine's own steps once it has run a few (`EngineStepCost`: the forward pass and the
-    host's verification and cache moves, which grow with the requests a step verifies), and from the model's cost
-    table before.
+    host's verification and cache moves, which grow with the requests a step verifies), before that from the steps
+    the model's previous engine timed (kept in the `LookaheadState`), and from the model's cost table in its first
+    engine.
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -176,8 +177,16 @@ class LookaheadBatching:
         self.max_positions = max_positions(model)
         self.cost = cost
         self.engine_cost = None
+        # Keyed as the model runs in the engine (paged attention): steps of another dtype or thread count, or of
+        # the model's own backend, would price these wrongly.
+        self.engine_key = model_key(model)
         if cost is not None:
-            self.engine_cost = EngineStepCost(cost, AUTO_TUNING.engine_steps_kept, AUTO_TUNING.engine_steps_needed)
+            self.engine_cost = EngineStepCost(
+                cost,
+                AUTO_TUNING.engine_steps_kept,
+                AUTO_TUNING.engine_steps_needed,
+                state.recall_engine_steps(self.engine_key),
+            )
         # Query and key tokens of the pass `lay_out` prepared, and the requests it verifies, for `observe_step`.
         self.step_shape: tuple[int, int, int] | None = None
         if config.adaptive:
@@ -318,6 +327,7 @@ class LookaheadBatching:
         """Learns the engine's cost from the step `lay_out` prepared, which took `seconds` in all."""
         if self.engine_cost is not None and self.step_shape is not None:
             self.engine_cost.observe(*self.step_shape, seconds)
+            self.state.remember_engine_steps(self.engine_key, self.engine_cost.history())
         self.step_shape = None
 
     # Settling, after the forward pass.

@@ -162,15 +162,21 @@ class EngineStepCost:
         steps_kept (`int`): how many of the latest steps the fit uses.
         steps_needed (`int`): the steps seen before `for_batch` answers (the engine prices with the table until
             then).
+        history (`tuple`, *optional*): the `history()` of an earlier engine of the same model, so that a new engine
+            prices its first steps with that engine's fit rather than with the table.
     """
 
-    def __init__(self, table: StepCostModel, steps_kept: int, steps_needed: int):
+    def __init__(self, table: StepCostModel, steps_kept: int, steps_needed: int, history: tuple = ()):
         if not 1 <= steps_needed <= steps_kept:
             raise ValueError(f"Need 1 <= steps_needed <= steps_kept, got {steps_needed} and {steps_kept}.")
         self.table = table
         self.steps_needed = steps_needed
-        self._steps: deque[tuple[float, ...]] = deque(maxlen=steps_kept)
+        self._steps: deque[tuple[float, ...]] = deque(history, maxlen=steps_kept)
         self._coefficients: list[float] | None = None
+
+    def history(self) -> tuple:
+        """The steps the fit uses now (immutable), for a later engine of the same model."""
+        return tuple(self._steps)
 
     def _features(self, queries: int, keys: int, verified: int) -> tuple[float, ...]:
         return (1.0, self.table(queries), float(queries), float(keys), float(queries * keys), float(verified))

@@ -33,6 +33,9 @@ class LookaheadState:
     - The acceptance estimates of the last `"auto"` call (`PolicyEstimates`, one per policy shape, greedy and sampled
       apart): the next call starts from them instead of the priors. Short generations (a transcript, a chat turn)
       otherwise spend most of their steps relearning that, say, copied continuations rarely match.
+    - The steps a continuous-batching engine last timed (`EngineStepCost.history`), per model key: the next engine
+      (each `generate_batch` call starts one) prices its first steps with the fit they give, not with the table, which
+      times passes of another kind (one sequence over a contiguous cache).
     - The suffix memories (`SuffixMemory`, one per `lookahead_memory_namespace`): the prompts and outputs of earlier
       calls, whose continuations later calls verify. With `memory_dir` set, a memory is read from its file when a
       call first uses it and written back after every call that added to it, so a restarted server starts warm.
@@ -65,6 +68,7 @@ class LookaheadState:
         self._lock = threading.Lock()
         self._costs: dict[str, StepCostModel] = {}
         self._estimates: dict[tuple, PolicyEstimates] = {}
+        self._engine_steps: dict[str, tuple] = {}
         self._memories: dict[str, SuffixMemory] = {}
 
     def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None) -> StepCostModel:
@@ -91,6 +95,16 @@ class LookaheadState:
         """Keeps `estimates` (immutable) for the next call with a policy of this `shape`."""
         with self._lock:
             self._estimates[shape] = estimates
+
+    def recall_engine_steps(self, key: str) -> tuple:
+        """The steps the last continuous-batching engine of a model with this `model_key` timed (empty if none)."""
+        with self._lock:
+            return self._engine_steps.get(key, ())
+
+    def remember_engine_steps(self, key: str, steps: tuple) -> None:
+        """Keeps an engine's timed steps (`EngineStepCost.history`, immutable) for the next engine."""
+        with self._lock:
+            self._engine_steps[key] = steps
 
     def memory(
         self,
