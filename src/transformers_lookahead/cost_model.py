@@ -166,7 +166,9 @@ class EngineStepCost:
             prices its first steps with that engine's fit rather than with the table.
     """
 
-    def __init__(self, table: StepCostModel, steps_kept: int, steps_needed: int, history: tuple = ()):
+    def __init__(
+        self, table: StepCostModel, steps_kept: int, steps_needed: int, history: tuple[tuple[float, ...], ...] = ()
+    ):
         if not 1 <= steps_needed <= steps_kept:
             raise ValueError(f"Need 1 <= steps_needed <= steps_kept, got {steps_needed} and {steps_kept}.")
         self.table = table
@@ -174,7 +176,7 @@ class EngineStepCost:
         self._steps: deque[tuple[float, ...]] = deque(history, maxlen=steps_kept)
         self._coefficients: list[float] | None = None
 
-    def history(self) -> tuple:
+    def history(self) -> tuple[tuple[float, ...], ...]:
         """The steps the fit uses now (immutable), for a later engine of the same model."""
         return tuple(self._steps)
 

@@ -68,7 +68,7 @@ class LookaheadState:
         self._lock = threading.Lock()
         self._costs: dict[str, StepCostModel] = {}
         self._estimates: dict[tuple, PolicyEstimates] = {}
-        self._engine_steps: dict[str, tuple] = {}
+        self._engine_steps: dict[str, tuple[tuple[float, ...], ...]] = {}
         self._memories: dict[str, SuffixMemory] = {}
 
     def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None) -> StepCostModel:
@@ -96,12 +96,12 @@ class LookaheadState:
         with self._lock:
             self._estimates[shape] = estimates
 
-    def recall_engine_steps(self, key: str) -> tuple:
+    def recall_engine_steps(self, key: str) -> tuple[tuple[float, ...], ...]:
         """The steps the last continuous-batching engine of a model with this `model_key` timed (empty if none)."""
         with self._lock:
             return self._engine_steps.get(key, ())
 
-    def remember_engine_steps(self, key: str, steps: tuple) -> None:
+    def remember_engine_steps(self, key: str, steps: tuple[tuple[float, ...], ...]) -> None:
         """Keeps an engine's timed steps (`EngineStepCost.history`, immutable) for the next engine."""
         with self._lock:
             self._engine_steps[key] = steps
