@@ -26,6 +26,7 @@ from utils.cb_benchmark import ENGINES as CB_ENGINES
 from utils.cb_benchmark import (
     engine_config,
     format_continuous_batching_table,
+    full_load_rate,
     run_continuous_batching,
     summarize_continuous_batching,
 )
@@ -510,6 +511,15 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         with flat_step_costs(), mock.patch.object(cb_benchmark, "_serve_closed_loop", counted_serve):
             result = run_continuous_batching(args, model, tokenizer, prompts)
         self.assertEqual(len(result["runs"]), 2 * len(CB_ENGINES))
+        for run in result["runs"]:
+            # A time for every token of every answer, within the run; the load drops when the first client is done.
+            self.assertEqual([len(times) for times in run["token_times"]], [len(a) for a in run["answers"]])
+            self.assertTrue(all(0 < t <= run["seconds"] for times in run["token_times"] for t in times))
+            self.assertTrue(all(times == sorted(times) for times in run["token_times"]))
+            # Full load lasts until an answer ends that no prompt is left to replace: all but `concurrency - 1` ended.
+            ended = sum(times[-1] <= run["full_until"] for times in run["token_times"])
+            self.assertGreaterEqual(ended, len(run["answers"]) - run["concurrency"] + 1)
+            self.assertLessEqual(run["full_until"], run["seconds"])
         # Only the engine measured runs (an idle one beside it slowed it by a third), and none is left running.
         self.assertEqual(engines_alive, [1] * (2 + 2 * 2))
         self.assertFalse(any("_run_generation_loop" in thread.name for thread in threading.enumerate()))
@@ -539,6 +549,11 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         self.assertFalse(engine_config(tokenizer, 12, lookahead=True).lookahead_memory)
         self.assertEqual(engine_config(tokenizer, 12, lookahead=False).lookahead_window, "off")
 
+    def test_full_load_rate_leaves_out_the_drain(self):
+        # Three clients, four requests: once the second answer ends no prompt is left, and the last two drain slowly.
+        run = {"token_times": [[1.0, 2.0], [1.0, 2.0, 3.0], [2.0, 4.0, 8.0], [3.5, 9.0, 10.0]], "full_until": 3.0}
+        self.assertEqual(full_load_rate(run), 6 / 3.0)
+
     def test_summary_ratios_and_percentiles(self):
         def run(engine, seconds, latency, answers=((1, 2), (3, 4))):
             return {
@@ -547,6 +562,9 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
                 "repeat": 0,
                 "seconds": seconds,
                 "answers": [list(answer) for answer in answers],
+                # One request ends at a quarter of the run, the other at its end: half the tokens came by then.
+                "token_times": [[seconds / 8, seconds / 4], [seconds / 2, seconds]],
+                "full_until": seconds / 4,
                 "latency": latency,
                 "first_token": [value / 2 for value in latency],
                 "forwards": [2, 1],
@@ -565,6 +583,8 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         self.assertEqual(rows["plain_cb"]["tokens_per_s"], 2.0)
         self.assertEqual(rows["lookahead_cb"]["speedup_vs_plain_cb"], 2.0)
         self.assertEqual(rows["generate_one_at_a_time"]["speedup_vs_plain_cb"], 0.5)
+        self.assertEqual(rows["plain_cb"]["full_load_tokens_per_s"], 4.0)
+        self.assertEqual(rows["lookahead_cb"]["full_load_speedup_vs_plain_cb"], 2.0)
         self.assertEqual(rows["generate_one_at_a_time"]["identical"], 1)
         self.assertEqual(rows["plain_cb"]["tokens_per_forward"], 4 / 3)
         self.assertEqual((rows["plain_cb"]["pass_ms"], rows["plain_cb"]["forward_ms"]), (500.0, 250.0))

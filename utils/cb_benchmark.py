@@ -4,10 +4,11 @@ lookahead `generate` serving one request at a time, at several numbers of concur
 
 Each level replays the same prompts as a closed loop of `concurrency` clients: every client sends its next prompt as
 soon as its previous answer is complete. The three engines run interleaved per level and repeat. Reported per level
-and engine: generated tokens per second over the level's wall time, generated tokens per forward pass a request
-took part in (the prefill's included; plain continuous batching's is 1), per-request latency (p50, p95) and time to
-the first token (p50, p95), the time of each forward pass of the level (the engine's step, all its requests) and
-the part of it inside the model's forward, and whether every greedy answer equals plain continuous batching's.
+and engine: generated tokens per second over the level's wall time and while every client had a request in flight
+(`full_load_rate`), generated tokens per forward pass a request took part in (the prefill's included; plain
+continuous batching's is 1), per-request latency (p50, p95) and time to the first token (p50, p95), the time of each
+forward pass of the level (the engine's step, all its requests) and the part of it inside the model's forward, and
+whether every greedy answer equals plain continuous batching's.
 
 `generate_one_at_a_time` serves the same closed loop with one `model.generate` call at a time: a request waits for
 the ones before it, so its latency and time to first token include that wait.
@@ -65,8 +66,9 @@ def engine_config(tokenizer, max_new_tokens: int, lookahead: bool) -> Generation
 def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
     """Replays `prompts` through a running manager with `concurrency` requests in flight."""
     waiting = deque(enumerate(prompts))
-    in_flight, answers, latency, first_token, forwards = {}, {}, {}, {}, {}
+    in_flight, answers, latency, first_token, forwards, token_times = {}, {}, {}, {}, {}, {}
     start = time.perf_counter()
+    full_until = None
 
     def submit() -> None:
         index, prompt = waiting.popleft()
@@ -92,22 +94,27 @@ def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_
         latency[index] = done - sent
         stamps = result.timestamps or [done]
         first_token[index] = stamps[0] - sent
+        token_times[index] = [round(stamp - start, 4) for stamp in result.timestamps or []]
         if waiting:
             submit()
+        elif full_until is None:
+            full_until = done - start
     return {
         "seconds": time.perf_counter() - start,
         "answers": [answers[i] for i in range(len(prompts))],
         "latency": [latency[i] for i in range(len(prompts))],
         "first_token": [first_token[i] for i in range(len(prompts))],
         "forwards": [forwards[i] for i in range(len(prompts))],
+        "token_times": [token_times[i] for i in range(len(prompts))],
+        "full_until": full_until,
     }
 
 
 class _FirstToken:
-    """A streamer that notes when `generate` produced its first new token, and counts the chunks after it."""
+    """A streamer that notes when `generate` produced each new token, and counts the chunks they came in."""
 
     def __init__(self):
-        self.calls, self.first = 0, None
+        self.calls, self.first, self.times = 0, None, []
 
     @property
     def chunks(self) -> int:
@@ -116,8 +123,12 @@ class _FirstToken:
 
     def put(self, value) -> None:
         self.calls += 1
-        if self.calls == 2 and self.first is None:
-            self.first = time.perf_counter()
+        if self.calls == 1:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.times.extend([now] * value.numel())
 
     def end(self) -> None:
         pass
@@ -129,7 +140,8 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
     queue = deque()
     clock = time.perf_counter()
     start = clock
-    answers, latency, first_token, forwards = {}, {}, {}, {}
+    answers, latency, first_token, forwards, token_times = {}, {}, {}, {}, {}
+    full_until = None
     for _ in range(min(concurrency, len(prompts))):
         queue.append((*waiting.popleft(), clock))
     while queue:
@@ -144,14 +156,19 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
         latency[index] = done - sent
         first_token[index] = (streamer.first or done) - sent
         forwards[index] = streamer.chunks
+        token_times[index] = [round(stamp - start, 4) for stamp in streamer.times[: len(answers[index])]]
         if waiting:
             queue.append((*waiting.popleft(), done))
+        elif full_until is None:
+            full_until = done - start
     return {
         "seconds": time.perf_counter() - start,
         "answers": [answers[i] for i in range(len(prompts))],
         "latency": [latency[i] for i in range(len(prompts))],
         "first_token": [first_token[i] for i in range(len(prompts))],
         "forwards": [forwards[i] for i in range(len(prompts))],
+        "token_times": [token_times[i] for i in range(len(prompts))],
+        "full_until": full_until,
     }
 
 
@@ -223,6 +240,17 @@ def _serve_fresh_engine(
         manager.stop(block=True, timeout=30)
 
 
+def full_load_rate(run: dict) -> float:
+    """
+    Tokens per second while every client had a request in flight: from the level's start to the first answer that
+    no prompt was left to replace. After it the load drains, and how long that takes depends on how unevenly the last
+    requests end, not on the load the level names: plain continuous batching's answers of equal length end in one
+    step, while lookahead's, which accept different numbers of tokens per step, end one by one.
+    """
+    until = run["full_until"]
+    return sum(stamp <= until for times in run["token_times"] for stamp in times) / until
+
+
 def summarize_continuous_batching(result: dict) -> list[dict]:
     """Per level and engine: medians over repeats of tokens/s, and percentiles over all requests of all repeats."""
     rows = []
@@ -234,7 +262,9 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
             runs = [run for run in level if run["engine"] == engine]
             tokens = sum(len(answer) for answer in runs[0]["answers"])
             rate = statistics.median(sum(len(a) for a in run["answers"]) / run["seconds"] for run in runs)
-            plain_rate = rate if engine == "plain_cb" else plain_rate
+            full_rate = statistics.median(full_load_rate(run) for run in runs)
+            if engine == "plain_cb":
+                plain_rate, plain_full_rate = rate, full_rate
             latency = [value for run in runs for value in run["latency"]]
             first = [value for run in runs for value in run["first_token"]]
             identical = sum(answer == expected for run in runs for answer, expected in zip(run["answers"], reference))
@@ -250,6 +280,8 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
                         1000 * run["forward_seconds"] / run["forward_passes"] for run in runs
                     ),
                     "speedup_vs_plain_cb": rate / plain_rate,
+                    "full_load_tokens_per_s": full_rate,
+                    "full_load_speedup_vs_plain_cb": full_rate / plain_full_rate,
                     "latency_p50": statistics.median(latency),
                     "latency_p95": _p95(latency),
                     "first_token_p50": statistics.median(first),
@@ -263,14 +295,16 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
 
 def format_continuous_batching_table(rows: list[dict], result: dict | None = None) -> str:
     header = (
-        f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'tok/forward':>11} {'pass / fwd ms':>14} {'latency p50/p95 (s)':>20} "
+        f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'full load tok/s':>15} {'vs plain CB':>11} "
+        f"{'tok/forward':>11} {'pass / fwd ms':>14} {'latency p50/p95 (s)':>20} "
         f"{'first token p50/p95 (s)':>24} {'same as plain CB':>16}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row['concurrency']:>7} {row['engine']:<24} {row['tokens_per_s']:>7.1f} "
-            f"{row['speedup_vs_plain_cb']:>10.2f}x {row['tokens_per_forward']:>11.2f} "
+            f"{row['speedup_vs_plain_cb']:>10.2f}x {row['full_load_tokens_per_s']:>15.1f} "
+            f"{row['full_load_speedup_vs_plain_cb']:>10.2f}x {row['tokens_per_forward']:>11.2f} "
             f"{row['pass_ms']:>6.1f} / {row['forward_ms']:<5.1f} {row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f} "
             f"{row['first_token_p50']:>11.2f} / {row['first_token_p95']:<10.2f} "
             f"{row['identical']:>8}/{row['answers']}"
