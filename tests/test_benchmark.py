@@ -1,5 +1,9 @@
+import io
+import json
+import tempfile
 import threading
 import unittest
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -7,7 +11,7 @@ import torch
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.ngram_pool import TokenTree
-from utils import cb_benchmark
+from utils import benchmark, cb_benchmark
 from utils.benchmark import (
     REFERENCE,
     SPEECH,
@@ -42,7 +46,15 @@ from utils.faithfulness import (
     summarize_departures,
 )
 from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
-from utils.quality import QUALITY_METHODS, completion_program, format_quality_table, program_passes, summarize_quality
+from utils.quality import (
+    QUALITY_METHODS,
+    completion_program,
+    format_quality_table,
+    merge_quality,
+    program_passes,
+    summarize_quality,
+)
+from utils.quality import main as quality_main
 from utils.step_ceiling import (
     CEILING_SETTINGS,
     deepest_match,
@@ -489,6 +501,51 @@ class QualityHarnessTest(unittest.TestCase):
         self.assertEqual((rows["greedy"]["passed"], rows["greedy"]["pass_at_1"]), (2, 1.0))
         self.assertEqual((rows["lookahead_auto"]["passed"], rows["lookahead_auto"]["pass_at_1"]), (1, 0.5))
         self.assertIn("| lookahead_auto | 1 / 2 | 0.500 | 0 / 2 |", format_quality_table(list(rows.values()), result))
+
+    def test_runs_over_different_problems_merge_into_one(self):
+        def run(task_ids, dtype="bfloat16", max_new_tokens=320):
+            problems = [
+                {"task_id": task_id, "passed": {m: task_id.endswith("0") for m in QUALITY_METHODS}}
+                for task_id in task_ids
+            ]
+            return {"problems": problems, "dtype": dtype, "max_new_tokens": max_new_tokens}
+
+        merged = merge_quality([run(["HumanEval/0", "HumanEval/1"]), run(["HumanEval/2", "HumanEval/10"])])
+        self.assertEqual([e["task_id"] for e in merged["problems"]], [f"HumanEval/{i}" for i in (0, 1, 2, 10)])
+        self.assertEqual((merged["dtype"], merged["max_new_tokens"]), ("bfloat16", 320))
+        with self.assertRaisesRegex(ValueError, "overlap"):
+            merge_quality([run(["HumanEval/0", "HumanEval/1"]), run(["HumanEval/1"])])
+        with self.assertRaisesRegex(ValueError, "one dtype and --max-new-tokens"):
+            merge_quality([run(["HumanEval/0"]), run(["HumanEval/1"], dtype="float32")])
+        with self.assertRaisesRegex(ValueError, "one dtype and --max-new-tokens"):
+            merge_quality([run(["HumanEval/0"]), run(["HumanEval/1"], max_new_tokens=64)])
+
+    def test_the_merge_command_writes_one_result_and_its_table(self):
+        def run(task_id, passed):
+            entry = {"task_id": task_id, "passed": dict.fromkeys(QUALITY_METHODS, passed)}
+            entry["same_text_as_greedy"] = dict.fromkeys(QUALITY_METHODS, True)
+            return {"problems": [entry], "dtype": "bfloat16", "max_new_tokens": 320}
+
+        with tempfile.TemporaryDirectory() as directory:
+            first, second = Path(directory, "a.json"), Path(directory, "b.json")
+            first.write_text(json.dumps(run("HumanEval/0", True)))
+            second.write_text(json.dumps(run("HumanEval/1", False)))
+            with mock.patch("sys.stdout", new_callable=io.StringIO):
+                quality_main(["merge", str(Path(directory, "all.json")), str(first), str(second)])
+            merged = json.loads(Path(directory, "all.json").read_text())
+            table = Path(directory, "all.txt").read_text()
+        self.assertEqual([entry["task_id"] for entry in merged["problems"]], ["HumanEval/0", "HumanEval/1"])
+        self.assertIn("| greedy | 1 / 2 | 0.500 | 2 / 2 |", table)
+
+    def test_first_problem_outside_the_tuning_problems_is_refused_before_loading(self):
+        for value in ("-1", "82"):
+            with (
+                mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
+                mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
+                self.assertRaises(SystemExit),
+            ):
+                benchmark.main(["--quality", "--first-problem", value])
+            self.assertIn("--first-problem must be one of the tuning problems, 0 to 81", stderr.getvalue())
 
 
 class ContinuousBatchingBenchmarkTest(unittest.TestCase):

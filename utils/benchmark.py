@@ -64,7 +64,7 @@ from utils.memory_benchmark import (  # noqa: E402
     summarize_memory,
 )
 from utils.plotting import grouped_bars  # noqa: E402
-from utils.quality import format_quality_table, run_quality, summarize_quality  # noqa: E402
+from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
 from utils.step_ceiling import format_ceiling_table, run_ceiling, summarize_ceiling  # noqa: E402
 from utils.timing import ForwardTimer, Run  # noqa: E402
 from utils.tiny_models import left_padded  # noqa: E402
@@ -797,6 +797,12 @@ def main(argv: list[str] | None = None) -> None:
         "--num-prompts problems, at most the 82 tuning ones",
     )
     parser.add_argument(
+        "--first-problem",
+        type=int,
+        default=0,
+        help="--quality: the first HumanEval tuning problem to run (0-81; default 0), to split a long run",
+    )
+    parser.add_argument(
         "--continuous-batching",
         action="store_true",
         help="plain vs lookahead continuous batching vs lookahead generate one request at a time, at each "
@@ -841,6 +847,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--reference-fp32 compares causal language models; drop it with --whisper.")
     if args.whisper and (args.sampling or args.batched or args.cost_curve or args.model):
         parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop the other modes.")
+    if not 0 <= args.first_problem < TUNING_PROBLEMS:
+        parser.error(f"--first-problem must be one of the tuning problems, 0 to {TUNING_PROBLEMS - 1}.")
     if args.cost_curve:
         run_cost_curve(args)
         return

@@ -4,6 +4,9 @@ completes each tuning problem (the chat prompt the other benchmarks use), and ea
 problem's own tests in a subprocess of its own, in a temporary directory, with a timeout.
 
     python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16 --max-new-tokens 384
+
+A run too long for one sitting splits by `--first-problem`; `python -m utils.quality merge OUT.json RUN.json...`
+writes the runs' problems as one result and prints its table.
 """
 
 from __future__ import annotations
@@ -57,12 +60,13 @@ def program_passes(program: str, timeout: float = 10.0) -> bool:
 
 def run_quality(args, model, tokenizer) -> dict:
     """
-    For each of the first `args.num_prompts` HumanEval tuning problems (at most 82): every method of
-    `QUALITY_METHODS` generates up to `args.max_new_tokens` tokens greedily, and each completion is tested.
+    For `args.num_prompts` HumanEval tuning problems from `args.first_problem` on (at most up to the 82nd): every
+    method of `QUALITY_METHODS` generates up to `args.max_new_tokens` tokens greedily, and each completion is tested.
     """
     from tqdm.auto import tqdm
 
-    problems = humaneval_problems(args.cache_dir)[: min(args.num_prompts, TUNING_PROBLEMS)]
+    first = args.first_problem
+    problems = humaneval_problems(args.cache_dir)[first : min(first + args.num_prompts, TUNING_PROBLEMS)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = model.device
     inputs = [chat_input_ids(tokenizer, problem["prompt"], "humaneval").to(device) for problem in problems]
@@ -83,6 +87,23 @@ def run_quality(args, model, tokenizer) -> dict:
         entry["completions"] = texts
         results.append(entry)
     return {"problems": results, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+
+
+def merge_quality(results: list[dict]) -> dict:
+    """
+    One result of several `--quality` runs over different problems (`--first-problem`), of one dtype and length: a
+    long run can be split where time forbids running it at once. Batched greedy pairs each problem with the next one
+    of its own run, so the last problem of each run has another partner than in one long run.
+    """
+    settings = {(result["dtype"], result["max_new_tokens"]) for result in results}
+    if len(settings) != 1:
+        raise ValueError(f"Only runs of one dtype and --max-new-tokens merge; these have {sorted(settings)}.")
+    problems = [entry for result in results for entry in result["problems"]]
+    task_ids = [entry["task_id"] for entry in problems]
+    if len(set(task_ids)) != len(task_ids):
+        raise ValueError("The runs overlap: each problem must come from one run only.")
+    dtype, max_new_tokens = settings.pop()
+    return {"problems": problems, "dtype": dtype, "max_new_tokens": max_new_tokens}
 
 
 def summarize_quality(result: dict) -> list[dict]:
@@ -113,3 +134,25 @@ def format_quality_table(rows: list[dict], result: dict) -> str:
             f"{row['same_text_as_greedy']} / {row['problems']} |"
         )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Merge `--quality` runs over different problems into one result.")
+    parser.add_argument("command", choices=["merge"])
+    parser.add_argument("output", type=Path, help="the merged result (.json; its table goes beside it as .txt)")
+    parser.add_argument("runs", type=Path, nargs="+", help="the runs' .json files, in problem order")
+    args = parser.parse_args(argv)
+    result = merge_quality([json.loads(path.read_text()) for path in args.runs])
+    result["merged_from"] = [str(path) for path in args.runs]
+    result["summary"] = summarize_quality(result)
+    table = format_quality_table(result["summary"], result)
+    args.output.write_text(json.dumps(result, indent=1))
+    args.output.with_suffix(".txt").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
