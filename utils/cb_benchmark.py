@@ -111,11 +111,11 @@ def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_
     }
 
 
-class _FirstToken:
+class _TokenTimes:
     """A streamer that notes when `generate` produced each new token, and counts the chunks they came in."""
 
     def __init__(self):
-        self.calls, self.first, self.times = 0, None, []
+        self.calls, self.times = 0, []
 
     @property
     def chunks(self) -> int:
@@ -124,12 +124,8 @@ class _FirstToken:
 
     def put(self, value) -> None:
         self.calls += 1
-        if self.calls == 1:
-            return
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.times.extend([now] * value.numel())
+        if self.calls > 1:
+            self.times.extend([time.perf_counter()] * value.numel())
 
     def end(self) -> None:
         pass
@@ -147,7 +143,7 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
         queue.append((*waiting.popleft(), clock))
     while queue:
         index, prompt, sent = queue.popleft()
-        streamer = _FirstToken()
+        streamer = _TokenTimes()
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, generation_config=config, streamer=streamer)
         done = time.perf_counter()
@@ -155,7 +151,7 @@ def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, con
         if config.eos_token_id is not None and config.eos_token_id in answers[index]:
             answers[index] = answers[index][: answers[index].index(config.eos_token_id) + 1]
         latency[index] = done - sent
-        first_token[index] = (streamer.first or done) - sent
+        first_token[index] = (streamer.times[0] if streamer.times else done) - sent
         forwards[index] = streamer.chunks
         token_times[index] = [round(stamp - start, 4) for stamp in streamer.times[: len(answers[index])]]
         if waiting:
