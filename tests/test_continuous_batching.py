@@ -278,7 +278,7 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
     def test_the_engine_prices_steps_by_its_own_steps(self, _, slowness, verifies_several, verification=0.0):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
         prompt = random_prompt(8, seed=7)[0].tolist()
-        with flat_step_costs(), _SlowVerification(verification).patch:
+        with flat_step_costs(engine_fit=True), _SlowVerification(verification).patch:
             # The table says every step length costs one token: only the engine's own steps tell otherwise.
             slow = _SlowPasses(model, **slowness)
             self.addCleanup(slow.handle.remove)
@@ -305,7 +305,7 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
         prompt = random_prompt(8, seed=7)[0].tolist()
         needed = AUTO_TUNING.engine_steps_needed
         queries = []
-        with flat_step_costs():
+        with flat_step_costs(engine_fit=True):
             # The flat table says every step length costs one token; each query token costs 5 ms.
             slow = _SlowPasses(model, per_token=0.005)
             self.addCleanup(slow.handle.remove)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from unittest import mock
 
 import torch
 import transformers
 
 from transformers_lookahead import LookaheadState
-from transformers_lookahead.cost_model import StepCostModel
+from transformers_lookahead.cost_model import EngineStepCost, StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 from utils.tiny_models import EAGER_ONLY, INIT_RANGE, TINY_CONFIGS, VOCAB, random_prompt, tiny_model
 
@@ -46,9 +47,21 @@ def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree
     return pool.tree(key, depth)
 
 
-def flat_step_costs():
+@contextmanager
+def flat_step_costs(engine_fit: bool = False):
     """
     Makes `"auto"` plan with a flat cost table (every step length costs one token, as on an accelerator) instead of
     this machine's measured one, so its steps do not depend on the timings of a shared CPU.
+
+    Args:
+        engine_fit (`bool`): whether a continuous-batching engine still prices its steps by the ones it timed
+            (`EngineStepCost`) once it has timed enough of them. Off, it keeps to the flat table: on a tiny model
+            the host's work outweighs the forward pass, and on a starved CPU the fit then priced every step of
+            several tokens out.
     """
-    return mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel({1: 1.0, 64: 1.0}))
+    with mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel({1: 1.0, 64: 1.0})):
+        if engine_fit:
+            yield
+        else:
+            with mock.patch.object(EngineStepCost, "for_batch", return_value=None):
+                yield
