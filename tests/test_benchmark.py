@@ -1,5 +1,6 @@
 import io
 import json
+import statistics
 import tempfile
 import threading
 import unittest
@@ -28,9 +29,11 @@ from utils.benchmark import (
 )
 from utils.cb_benchmark import ENGINES as CB_ENGINES
 from utils.cb_benchmark import (
+    arrival_times,
     engine_config,
     format_continuous_batching_table,
     full_load_rate,
+    plot_continuous_batching,
     run_continuous_batching,
     summarize_continuous_batching,
 )
@@ -607,6 +610,77 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         # Levels and repeats replay the same prompts: a suffix memory would answer them from the run before.
         self.assertFalse(engine_config(tokenizer, 12, lookahead=True).lookahead_memory)
         self.assertEqual(engine_config(tokenizer, 12, lookahead=False).lookahead_window, "off")
+
+    def test_open_loop_sends_each_request_at_its_arrival(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+        prompts = [(f"p{i}", "x", random_prompt(6 + i, seed=i), 6 + i) for i in range(3)]
+        args = SimpleNamespace(concurrency=[1], arrival_rate=[2.0], repeats=1, max_new_tokens=12)
+        # The first two arrive together, the third later than either can take to finish (tens of ms here).
+        arrivals = [0.0, 0.0, 0.5]
+        with flat_step_costs(), mock.patch.object(cb_benchmark, "arrival_times", return_value=arrivals) as drawn:
+            result = run_continuous_batching(args, model, tokenizer, prompts)
+        drawn.assert_called_once_with(3, 2.0)
+        self.assertEqual(len(result["runs"]), len(CB_ENGINES))
+        for run in result["runs"]:
+            self.assertEqual((run["concurrency"], run["arrival_rate"], run["full_until"]), (None, 2.0, None))
+            first, second, third = run["token_times"]
+            # Nothing is sent before it arrives, and latency counts from the arrival.
+            self.assertGreaterEqual(third[0], 0.5)
+            self.assertLess(run["latency"][2], third[-1] - 0.25)
+            self.assertTrue(all(0 <= f <= t for f, t in zip(run["first_token"], run["latency"])))
+            if run["engine"] != "generate_one_at_a_time":
+                # The engines take both of the first two at once: the second's first token comes before the
+                # first's last (a closed loop of one client would send it only then).
+                self.assertLess(second[0], first[-1])
+            else:
+                # One `generate` call at a time: the second waits for the first, and its latency says so.
+                self.assertGreater(second[0], first[-1])
+                self.assertGreater(run["latency"][1], run["latency"][0])
+        rows = summarize_continuous_batching(result)
+        self.assertEqual([(row["arrival_rate"], row["engine"]) for row in rows], [(2.0, e) for e in CB_ENGINES])
+        for row in rows:
+            self.assertEqual(row["identical"], 3, row["engine"])
+            self.assertIsNone(row["full_load_tokens_per_s"])
+            self.assertIsNone(row["full_load_speedup_vs_plain_cb"])
+        by_engine = {row["engine"]: row for row in rows}
+        self.assertEqual(by_engine["plain_cb"]["latency_p50_speedup_vs_plain_cb"], 1.0)
+        self.assertGreater(by_engine["lookahead_cb"]["tokens_per_forward"], 1.0)
+        table = format_continuous_batching_table(rows)
+        self.assertTrue(table.startswith("req/s"))
+        self.assertIn(" 2.00 lookahead_cb", table)
+        with tempfile.TemporaryDirectory() as directory:
+            plot_continuous_batching(rows, Path(directory, "open.png"))
+            self.assertGreater(Path(directory, "open.png").stat().st_size, 0)
+
+    def test_arrival_times_are_a_seeded_poisson_process(self):
+        times = arrival_times(4001, rate=4.0)
+        self.assertEqual(times, arrival_times(4001, rate=4.0))
+        self.assertNotEqual(times, arrival_times(4001, rate=4.0, seed=1))
+        self.assertEqual(times[0], 0.0)
+        gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+        self.assertTrue(all(gap >= 0 for gap in gaps))
+        # Exponential gaps of mean 1/4 s: their mean, and their spread (an exponential's deviation equals its mean).
+        self.assertAlmostEqual(sum(gaps) / len(gaps), 0.25, delta=0.02)
+        self.assertAlmostEqual(statistics.pstdev(gaps), 0.25, delta=0.03)
+        with self.assertRaisesRegex(ValueError, "arrival rate must be positive, got 0"):
+            arrival_times(3, rate=0)
+
+    def test_arrival_rate_is_refused_before_loading(self):
+        for argv, message in (
+            (
+                ["--continuous-batching", "--arrival-rate", "1", "0"],
+                "--arrival-rate takes requests per second above 0",
+            ),
+            (["--arrival-rate", "1"], "--arrival-rate sets the load of --continuous-batching"),
+        ):
+            with (
+                mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
+                mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
+                self.assertRaises(SystemExit),
+            ):
+                benchmark.main(argv)
+            self.assertIn(message, stderr.getvalue())
 
     def test_full_load_rate_leaves_out_the_drain(self):
         # Three clients, four requests: once the second answer ends no prompt is left, and the last two drain slowly.

@@ -14,6 +14,7 @@ interleaved per prompt, so machine noise hits them alike.
     python utils/benchmark.py --departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
     python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
     python utils/benchmark.py --continuous-batching --num-prompts 8 --repeats 2   # 1 / 4 / 8 / 16 concurrent requests
+    python utils/benchmark.py --continuous-batching --arrival-rate 0.5 1 2         # open loop: Poisson arrivals
 
 `--dtype auto` (the default) runs bfloat16 where the device computes it natively (CUDA with bf16, a CPU with
 AVX512-BF16 or AMX) and float32 elsewhere, saying which; a half-precision run adds plain greedy in float32 as a
@@ -815,6 +816,14 @@ def main(argv: list[str] | None = None) -> None:
         "(utils/step_ceiling.py)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument(
+        "--arrival-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="--continuous-batching: requests per second of an open loop (Poisson arrivals), one level each, instead "
+        "of the closed loop of --concurrency clients",
+    )
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
     args = parser.parse_args(argv)
@@ -847,6 +856,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--reference-fp32 compares causal language models; drop it with --whisper.")
     if args.whisper and (args.sampling or args.batched or args.cost_curve or args.model):
         parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop the other modes.")
+    if args.arrival_rate is not None and not args.continuous_batching:
+        parser.error("--arrival-rate sets the load of --continuous-batching; add it, or drop --arrival-rate.")
+    if args.arrival_rate is not None and min(args.arrival_rate) <= 0:
+        parser.error(f"--arrival-rate takes requests per second above 0, got {args.arrival_rate}.")
     if not 0 <= args.first_problem < TUNING_PROBLEMS:
         parser.error(f"--first-problem must be one of the tuning problems, 0 to {TUNING_PROBLEMS - 1}.")
     if args.cost_curve:

@@ -1,17 +1,21 @@
 """
 `utils/benchmark.py --continuous-batching`: Transformers' continuous batching with and without lookahead, and
-lookahead `generate` serving one request at a time, at several numbers of concurrent requests.
+lookahead `generate` serving one request at a time, at several loads.
 
 Each level replays the same prompts as a closed loop of `concurrency` clients: every client sends its next prompt as
-soon as its previous answer is complete. The three engines run interleaved per level and repeat. Reported per level
+soon as its previous answer is complete. With `--arrival-rate` the levels are open loops instead: the prompts arrive
+at Poisson times of that many requests per second (`arrival_times`, the same schedule for every engine and repeat),
+however many are in flight, as they reach a server; a request's latency counts from its arrival, and latency is what
+such a level is judged by. The three engines run interleaved per level and repeat. Reported per level
 and engine: generated tokens per second over the level's wall time and while every client had a request in flight
-(`full_load_rate`), generated tokens per forward pass a request took part in (the prefill's included; plain
-continuous batching's is 1), per-request latency (p50, p95) and time to the first token (p50, p95), the time of each
+(`full_load_rate`, closed loops only), generated tokens per forward pass a request took part in (the prefill's
+included; plain continuous batching's is 1), per-request latency (p50, p95; and how many times shorter the median is
+than plain continuous batching's) and time to the first token (p50, p95), the time of each
 forward pass of the level (the engine's step, all its requests) and the part of it inside the model's forward, and
 whether every greedy answer equals plain continuous batching's.
 
-`generate_one_at_a_time` serves the same closed loop with one `model.generate` call at a time: a request waits for
-the ones before it, so its latency and time to first token include that wait.
+`generate_one_at_a_time` serves the same loop with one `model.generate` call at a time: a request waits for the ones
+before it, so its latency and time to first token include that wait.
 
 Lookahead runs without its suffix memory (`lookahead_memory=False`): the levels and repeats replay the same
 prompts, and a memory would answer each from the one before (`--memory` measures the memory on its own).
@@ -25,10 +29,12 @@ third, and a thread that had run forward passes earlier and was still alive by c
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,11 +69,68 @@ def engine_config(tokenizer, max_new_tokens: int, lookahead: bool) -> Generation
     )
 
 
+class _Requests:
+    """What a loop records of each request it served, by the prompt's index; times are taken from the loop's start."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.start = time.perf_counter()
+        self.answers, self.latency, self.first_token, self.forwards, self.token_times = {}, {}, {}, {}, {}
+
+    def finish(self, index: int, sent: float, answer: list[int], forwards: int, stamps: list[float]) -> float:
+        """
+        Records a request sent at `sent` whose answer is complete now; its tokens were produced at `stamps` (none
+        recorded: all now). Returns now.
+        """
+        done = time.perf_counter()
+        self.answers[index] = answer
+        self.forwards[index] = forwards
+        self.latency[index] = done - sent
+        self.first_token[index] = (stamps[0] if stamps else done) - sent
+        # To 0.1 ms, as `full_until` is (so the order between them holds): the report keeps every token's time.
+        self.token_times[index] = [round(stamp - self.start, 4) for stamp in stamps]
+        return done
+
+    def since_start(self, moment: float) -> float:
+        return round(moment - self.start, 4)
+
+    def run(self, full_until: float | None) -> dict:
+        """The run's report: per prompt, in order, and `full_until` (`None` for an open loop)."""
+        order = range(self.count)
+        return {
+            "seconds": time.perf_counter() - self.start,
+            "answers": [self.answers[i] for i in order],
+            "latency": [self.latency[i] for i in order],
+            "first_token": [self.first_token[i] for i in order],
+            "forwards": [self.forwards[i] for i in order],
+            "token_times": [self.token_times[i] for i in order],
+            "full_until": full_until,
+        }
+
+
+def _finish_engine_request(requests: _Requests, index: int, sent: float, result) -> float:
+    """Records a finished result of a continuous-batching manager (see `_Requests.finish`)."""
+    if result.error is not None:
+        raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+    answer = list(result.generated_tokens)
+    # The prefill's pass gives the first token; plain continuous batching then takes one pass per token.
+    steps = getattr(result, "accepted_per_step", None)
+    forwards = 1 + len(steps) if steps is not None else len(answer)
+    return requests.finish(index, sent, answer, forwards, list(result.timestamps or []))
+
+
+def _next_result(manager, timeout: float):
+    """The manager's next output within `timeout` seconds (`None` if none came); raises if its engine stopped."""
+    result = manager.get_result(timeout=timeout)
+    if result is None and not manager.is_running():
+        raise RuntimeError("the continuous-batching engine stopped")
+    return result
+
+
 def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
     """Replays `prompts` through a running manager with `concurrency` requests in flight."""
     waiting = deque(enumerate(prompts))
-    in_flight, answers, latency, first_token, forwards, token_times = {}, {}, {}, {}, {}, {}
-    start = time.perf_counter()
+    requests, in_flight = _Requests(len(prompts)), {}
     full_until = None
 
     def submit() -> None:
@@ -78,37 +141,51 @@ def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_
     while waiting and len(in_flight) < concurrency:
         submit()
     while in_flight:
-        result = manager.get_result(timeout=600)
-        if result is None:
-            raise RuntimeError("the continuous-batching engine stopped")
-        if not result.is_finished() or result.request_id not in in_flight:
+        result = _next_result(manager, timeout=600)
+        if result is None or not result.is_finished() or result.request_id not in in_flight:
             continue
-        if result.error is not None:
-            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-        index, sent = in_flight.pop(result.request_id)
-        done = time.perf_counter()
-        answers[index] = list(result.generated_tokens)
-        # The prefill's pass gives the first token; plain continuous batching then takes one pass per token.
-        steps = getattr(result, "accepted_per_step", None)
-        forwards[index] = 1 + len(steps) if steps is not None else len(answers[index])
-        latency[index] = done - sent
-        stamps = result.timestamps or [done]
-        first_token[index] = stamps[0] - sent
-        # To 0.1 ms, as `full_until` is (so the order between them holds): the report keeps every token's time.
-        token_times[index] = [round(stamp - start, 4) for stamp in result.timestamps or []]
+        done = _finish_engine_request(requests, *in_flight.pop(result.request_id), result)
         if waiting:
             submit()
         elif full_until is None:
-            full_until = round(done - start, 4)
-    return {
-        "seconds": time.perf_counter() - start,
-        "answers": [answers[i] for i in range(len(prompts))],
-        "latency": [latency[i] for i in range(len(prompts))],
-        "first_token": [first_token[i] for i in range(len(prompts))],
-        "forwards": [forwards[i] for i in range(len(prompts))],
-        "token_times": [token_times[i] for i in range(len(prompts))],
-        "full_until": full_until,
-    }
+            full_until = requests.since_start(done)
+    return requests.run(full_until)
+
+
+def arrival_times(count: int, rate: float, seed: int = 0) -> list[float]:
+    """
+    When each of `count` requests arrives, in seconds from the first: a Poisson process of `rate` requests per second
+    (exponential gaps), drawn from `seed` so that every engine and repeat is sent the same schedule.
+    """
+    if rate <= 0:
+        raise ValueError(f"An arrival rate must be positive, got {rate}.")
+    draw, times = random.Random(seed), [0.0]
+    while len(times) < count:
+        times.append(times[-1] + draw.expovariate(rate))
+    return times[:count]
+
+
+def _serve_open_loop(manager, prompts: list[list[int]], arrivals: list[float], max_new_tokens: int) -> dict:
+    """
+    Sends each prompt through a running manager at its arrival time (`arrival_times`), however many requests are in
+    flight: how requests reach a server. A request's latency counts from its arrival.
+    """
+    waiting = deque(enumerate(prompts))
+    requests, in_flight = _Requests(len(prompts)), {}
+    while waiting or in_flight:
+        now = time.perf_counter()
+        while waiting and requests.start + arrivals[waiting[0][0]] <= now:
+            index, prompt = waiting.popleft()
+            request_id = manager.add_request(prompt, max_new_tokens=max_new_tokens, record_timestamps=True)
+            in_flight[request_id] = (index, requests.start + arrivals[index])
+        until_next = requests.start + arrivals[waiting[0][0]] - now if waiting else 600.0
+        if not in_flight:
+            time.sleep(until_next)
+            continue
+        result = _next_result(manager, timeout=max(until_next, 0.001))
+        if result is not None and result.is_finished() and result.request_id in in_flight:
+            _finish_engine_request(requests, *in_flight.pop(result.request_id), result)
+    return requests.run(None)
 
 
 class _TokenTimes:
@@ -131,50 +208,49 @@ class _TokenTimes:
         pass
 
 
+def _generate_one(model, requests: _Requests, index: int, prompt: list[int], sent: float, config) -> float:
+    """Serves one request with `model.generate` and records it (see `_Requests.finish`)."""
+    streamer = _TokenTimes()
+    out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config, streamer=streamer)
+    answer = out[0, len(prompt) :].tolist()
+    if config.eos_token_id is not None and config.eos_token_id in answer:
+        answer = answer[: answer.index(config.eos_token_id) + 1]
+    return requests.finish(index, sent, answer, streamer.chunks, streamer.times[: len(answer)])
+
+
 def _generate_closed_loop(model, prompts: list[list[int]], concurrency: int, config: GenerationConfig) -> dict:
     """The same closed loop served by one `generate` call at a time (the clients' requests queue up)."""
     waiting = deque(enumerate(prompts))
-    queue = deque()
-    clock = time.perf_counter()
-    start = clock
-    answers, latency, first_token, forwards, token_times = {}, {}, {}, {}, {}
+    requests, queue = _Requests(len(prompts)), deque()
     full_until = None
     for _ in range(min(concurrency, len(prompts))):
-        queue.append((*waiting.popleft(), clock))
+        queue.append((*waiting.popleft(), requests.start))
     while queue:
-        index, prompt, sent = queue.popleft()
-        streamer = _TokenTimes()
-        ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, generation_config=config, streamer=streamer)
-        done = time.perf_counter()
-        answers[index] = out[0, len(prompt) :].tolist()
-        if config.eos_token_id is not None and config.eos_token_id in answers[index]:
-            answers[index] = answers[index][: answers[index].index(config.eos_token_id) + 1]
-        latency[index] = done - sent
-        first_token[index] = (streamer.times[0] if streamer.times else done) - sent
-        forwards[index] = streamer.chunks
-        token_times[index] = [round(stamp - start, 4) for stamp in streamer.times[: len(answers[index])]]
+        done = _generate_one(model, requests, *queue.popleft(), config)
         if waiting:
             queue.append((*waiting.popleft(), done))
         elif full_until is None:
-            full_until = round(done - start, 4)
-    return {
-        "seconds": time.perf_counter() - start,
-        "answers": [answers[i] for i in range(len(prompts))],
-        "latency": [latency[i] for i in range(len(prompts))],
-        "first_token": [first_token[i] for i in range(len(prompts))],
-        "forwards": [forwards[i] for i in range(len(prompts))],
-        "token_times": [token_times[i] for i in range(len(prompts))],
-        "full_until": full_until,
-    }
+            full_until = requests.since_start(done)
+    return requests.run(full_until)
+
+
+def _generate_open_loop(model, prompts: list[list[int]], arrivals: list[float], config: GenerationConfig) -> dict:
+    """The same arrivals served by one `generate` call at a time: a request arriving meanwhile waits its turn."""
+    requests = _Requests(len(prompts))
+    for index, prompt in enumerate(prompts):
+        sent = requests.start + arrivals[index]
+        time.sleep(max(0.0, sent - time.perf_counter()))
+        _generate_one(model, requests, index, prompt, sent, config)
+    return requests.run(None)
 
 
 def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     """
-    Every level of `args.concurrency`, `args.repeats` times, the three engines interleaved.
+    Every level, `args.repeats` times, the three engines interleaved. The levels are `args.arrival_rate` (requests per
+    second of an open loop, `_serve_open_loop`) where given, else `args.concurrency` (clients of a closed loop).
 
     Args:
-        args: the benchmark's arguments (`concurrency`, `repeats`, `max_new_tokens`).
+        args: the benchmark's arguments (`concurrency`, `arrival_rate`, `repeats`, `max_new_tokens`).
         model: the model, with lookahead enabled (`enable_lookahead`).
         tokenizer: its tokenizer.
         prompts: `(prompt_id, category, input_ids, length)` per prompt, as `benchmark._prompts` gives them.
@@ -188,23 +264,32 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     timer = ForwardTimer(model)
     # Warm-up: the lookahead engine measures its cost table on its first request (kept by the model's state).
     for config in configs.values():
-        _in_own_thread(_serve_fresh_engine, model, config, ids[:2], 2, 8)
+        warm_up = partial(_serve_closed_loop, prompts=ids[:2], concurrency=2, max_new_tokens=8)
+        _in_own_thread(_serve_fresh_engine, model, config, warm_up)
     _in_own_thread(_generate_closed_loop, model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
+    rates = getattr(args, "arrival_rate", None)
+    levels = [(None, rate) for rate in rates] if rates else [(concurrency, None) for concurrency in args.concurrency]
     runs = []
-    progress = tqdm(total=len(args.concurrency) * args.repeats * len(ENGINES), desc="continuous batching")
-    for concurrency in args.concurrency:
+    progress = tqdm(total=len(levels) * args.repeats * len(ENGINES), desc="continuous batching")
+    for concurrency, rate in levels:
+        if rate is None:
+            serve = partial(_serve_closed_loop, prompts=ids, concurrency=concurrency)
+            one_at_a_time = partial(_generate_closed_loop, model, ids, concurrency)
+        else:
+            arrivals = arrival_times(len(ids), rate)
+            serve = partial(_serve_open_loop, prompts=ids, arrivals=arrivals)
+            one_at_a_time = partial(_generate_open_loop, model, ids, arrivals)
         for repeat in range(args.repeats):
             for engine in ENGINES:
                 if engine == "generate_one_at_a_time":
                     timer.reset()
-                    run = _in_own_thread(_generate_closed_loop, model, ids, concurrency, lookahead_config)
+                    run = _in_own_thread(one_at_a_time, lookahead_config)
                 else:
-                    config = configs[engine]
-                    run = _in_own_thread(
-                        _serve_fresh_engine, model, config, ids, concurrency, args.max_new_tokens, timer
-                    )
+                    serve_engine = partial(serve, max_new_tokens=args.max_new_tokens)
+                    run = _in_own_thread(_serve_fresh_engine, model, configs[engine], serve_engine, timer)
                 run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
-                runs.append({"engine": engine, "concurrency": concurrency, "repeat": repeat, **run})
+                level = {"concurrency": concurrency, "arrival_rate": rate}
+                runs.append({"engine": engine, **level, "repeat": repeat, **run})
                 progress.update()
     progress.close()
     return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
@@ -221,10 +306,8 @@ def _in_own_thread(function, *args):
         return executor.submit(function, *args).result()
 
 
-def _serve_fresh_engine(
-    model, config: GenerationConfig, prompts: list[list[int]], concurrency: int, max_new_tokens: int, timer=None
-) -> dict:
-    """Starts an engine for `config`, replays `prompts` through it (`_serve_closed_loop`), and stops it."""
+def _serve_fresh_engine(model, config: GenerationConfig, serve, timer=None) -> dict:
+    """Starts an engine for `config`, serves a workload through it (`serve(manager)`), and stops it."""
     manager = model.init_continuous_batching(
         config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
     )
@@ -232,55 +315,70 @@ def _serve_fresh_engine(
     try:
         if timer is not None:
             timer.reset()  # the engine's start-up is not one of its passes
-        return _serve_closed_loop(manager, prompts, concurrency, max_new_tokens)
+        return serve(manager)
     finally:
         manager.stop(block=True, timeout=30)
 
 
-def full_load_rate(run: dict) -> float:
+def full_load_rate(run: dict) -> float | None:
     """
     Tokens per second while every client had a request in flight: from the level's start to the first answer that
     no prompt was left to replace. After it the load drains, and how long that takes depends on how unevenly the last
     requests end, not on the load the level names: plain continuous batching's answers of equal length end in one
-    step, while lookahead's, which accept different numbers of tokens per step, end one by one.
+    step, while lookahead's, which accept different numbers of tokens per step, end one by one. `None` for an open
+    loop, whose load is set by its arrivals.
     """
     until = run["full_until"]
+    if until is None:
+        return None
     return sum(stamp <= until for times in run["token_times"] for stamp in times) / until
+
+
+def _level(run: dict) -> tuple:
+    """A run's level: `(clients, None)` for a closed loop, `(None, requests per second)` for an open one."""
+    return run["concurrency"], run.get("arrival_rate")
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or reference is None else value / reference
 
 
 def summarize_continuous_batching(result: dict) -> list[dict]:
     """Per level and engine: medians over repeats of tokens/s, and percentiles over all requests of all repeats."""
     rows = []
-    for concurrency in sorted({run["concurrency"] for run in result["runs"]}):
-        level = [run for run in result["runs"] if run["concurrency"] == concurrency]
+    for concurrency, rate in sorted({_level(run) for run in result["runs"]}, key=lambda level: level[0] or level[1]):
+        level = [run for run in result["runs"] if _level(run) == (concurrency, rate)]
         reference = next(run["answers"] for run in level if run["engine"] == "plain_cb")
-        plain_rate = None
         for engine in ENGINES:
             runs = [run for run in level if run["engine"] == engine]
             tokens = sum(len(answer) for answer in runs[0]["answers"])
-            rate = statistics.median(sum(len(a) for a in run["answers"]) / run["seconds"] for run in runs)
-            full_rate = statistics.median(full_load_rate(run) for run in runs)
-            if engine == "plain_cb":
-                plain_rate, plain_full_rate = rate, full_rate
+            rate_of_tokens = statistics.median(sum(len(a) for a in run["answers"]) / run["seconds"] for run in runs)
+            full_rates = [full_load_rate(run) for run in runs]
+            full_rate = None if None in full_rates else statistics.median(full_rates)
             latency = [value for run in runs for value in run["latency"]]
             first = [value for run in runs for value in run["first_token"]]
+            if engine == "plain_cb":
+                plain = (rate_of_tokens, full_rate, statistics.median(latency))
             identical = sum(answer == expected for run in runs for answer, expected in zip(run["answers"], reference))
             rows.append(
                 {
                     "concurrency": concurrency,
+                    "arrival_rate": rate,
                     "engine": engine,
                     "tokens": tokens,
-                    "tokens_per_s": rate,
+                    "tokens_per_s": rate_of_tokens,
                     "tokens_per_forward": tokens / sum(runs[0]["forwards"]),
                     "pass_ms": statistics.median(1000 * run["seconds"] / run["forward_passes"] for run in runs),
                     "forward_ms": statistics.median(
                         1000 * run["forward_seconds"] / run["forward_passes"] for run in runs
                     ),
-                    "speedup_vs_plain_cb": rate / plain_rate,
+                    "speedup_vs_plain_cb": rate_of_tokens / plain[0],
                     "full_load_tokens_per_s": full_rate,
-                    "full_load_speedup_vs_plain_cb": full_rate / plain_full_rate,
+                    "full_load_speedup_vs_plain_cb": _ratio(full_rate, plain[1]),
                     "latency_p50": statistics.median(latency),
                     "latency_p95": _p95(latency),
+                    # How many times shorter than plain continuous batching's: what an open loop's load is judged by.
+                    "latency_p50_speedup_vs_plain_cb": plain[2] / statistics.median(latency),
                     "first_token_p50": statistics.median(first),
                     "first_token_p95": _p95(first),
                     "identical": identical,
@@ -291,42 +389,67 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
 
 
 def format_continuous_batching_table(rows: list[dict], result: dict | None = None) -> str:
-    header = (
-        f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'full load tok/s':>15} {'vs plain CB':>11} "
-        f"{'tok/forward':>11} {'pass / fwd ms':>14} {'latency p50/p95 (s)':>20} "
-        f"{'first token p50/p95 (s)':>24} {'same as plain CB':>16}"
-    )
+    """The closed loop's table (per number of clients), or the open loop's (per arrival rate, latency first)."""
+    open_loop = any(row.get("arrival_rate") is not None for row in rows)
+    if open_loop:
+        header = (
+            f"{'req/s':>5} {'engine':<24} {'latency p50/p95 (s)':>20} {'p50 vs plain CB':>15} "
+            f"{'first token p50/p95 (s)':>24} {'tok/s':>7} {'tok/forward':>11} {'pass / fwd ms':>14} "
+            f"{'same as plain CB':>16}"
+        )
+    else:
+        header = (
+            f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'full load tok/s':>15} "
+            f"{'vs plain CB':>11} {'tok/forward':>11} {'pass / fwd ms':>14} {'latency p50/p95 (s)':>20} "
+            f"{'first token p50/p95 (s)':>24} {'same as plain CB':>16}"
+        )
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(
-            f"{row['concurrency']:>7} {row['engine']:<24} {row['tokens_per_s']:>7.1f} "
-            f"{row['speedup_vs_plain_cb']:>10.2f}x {row['full_load_tokens_per_s']:>15.1f} "
-            f"{row['full_load_speedup_vs_plain_cb']:>10.2f}x {row['tokens_per_forward']:>11.2f} "
-            f"{row['pass_ms']:>6.1f} / {row['forward_ms']:<5.1f} {row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f} "
-            f"{row['first_token_p50']:>11.2f} / {row['first_token_p95']:<10.2f} "
-            f"{row['identical']:>8}/{row['answers']}"
-        )
+        latency = f"{row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f}"
+        first = f"{row['first_token_p50']:>11.2f} / {row['first_token_p95']:<10.2f}"
+        passes = f"{row['pass_ms']:>6.1f} / {row['forward_ms']:<5.1f}"
+        same = f"{row['identical']:>8}/{row['answers']}"
+        if open_loop:
+            shorter = row["latency_p50_speedup_vs_plain_cb"]
+            lines.append(
+                f"{row['arrival_rate']:>5.2f} {row['engine']:<24} {latency} {shorter:>14.2f}x {first} "
+                f"{row['tokens_per_s']:>7.1f} {row['tokens_per_forward']:>11.2f} {passes} {same}"
+            )
+        else:
+            lines.append(
+                f"{row['concurrency']:>7} {row['engine']:<24} {row['tokens_per_s']:>7.1f} "
+                f"{row['speedup_vs_plain_cb']:>10.2f}x {row['full_load_tokens_per_s']:>15.1f} "
+                f"{row['full_load_speedup_vs_plain_cb']:>10.2f}x {row['tokens_per_forward']:>11.2f} "
+                f"{passes} {latency} {first} {same}"
+            )
     return "\n".join(lines)
 
 
 def plot_continuous_batching(rows: list[dict], path: Path) -> None:
+    """Tokens per second per number of clients (closed loop), or median latency per arrival rate (open loop)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    open_loop = any(row.get("arrival_rate") is not None for row in rows)
+    level, value = ("arrival_rate", "latency_p50") if open_loop else ("concurrency", "tokens_per_s")
     figure, axis = plt.subplots(figsize=(6, 4))
     for engine in ENGINES:
         mine = [row for row in rows if row["engine"] == engine]
-        axis.plot(
-            [row["concurrency"] for row in mine], [row["tokens_per_s"] for row in mine], marker="o", label=engine
-        )
-    levels = sorted({row["concurrency"] for row in rows})
+        axis.plot([row[level] for row in mine], [row[value] for row in mine], marker="o", label=engine)
+    levels = sorted({row[level] for row in rows})
     axis.set_xscale("log", base=2)
-    axis.set_xticks(levels, [str(level) for level in levels])
-    axis.set_xlabel("concurrent requests")
-    axis.set_ylabel("generated tokens / s")
-    axis.set_title("Continuous batching throughput")
+    axis.set_xticks(levels, [f"{level:g}" for level in levels])
+    if open_loop:
+        axis.set_yscale("log")
+        axis.set_xlabel("requests arriving per second (Poisson)")
+        axis.set_ylabel("median latency (s)")
+        axis.set_title("Continuous batching latency, open loop")
+    else:
+        axis.set_xlabel("concurrent requests")
+        axis.set_ylabel("generated tokens / s")
+        axis.set_title("Continuous batching throughput")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
