@@ -47,6 +47,8 @@ ENGINES = ("plain_cb", "lookahead_cb", "generate_one_at_a_time")
 # 16 requests of up to ~1000 tokens each, and room for prefill chunks beside 16 decoding requests' blocks.
 ENGINE_BLOCKS = 80
 ENGINE_BATCH_TOKENS = 1024
+# Seconds without any output after which a loop gives up on its engine.
+RESULT_TIMEOUT = 600.0
 
 
 def _p95(values: list[float]) -> float:
@@ -119,11 +121,14 @@ def _finish_engine_request(requests: _Requests, index: int, sent: float, result)
     return requests.finish(index, sent, answer, forwards, list(result.timestamps or []))
 
 
-def _next_result(manager, timeout: float):
-    """The manager's next output within `timeout` seconds (`None` if none came); raises if its engine stopped."""
+def _next_result(manager, timeout: float = RESULT_TIMEOUT):
+    """
+    The manager's next output within `timeout` seconds (`None` if none came); raises if its engine stopped, or gave
+    nothing for `RESULT_TIMEOUT` seconds.
+    """
     result = manager.get_result(timeout=timeout)
-    if result is None and not manager.is_running():
-        raise RuntimeError("the continuous-batching engine stopped")
+    if result is None and (timeout >= RESULT_TIMEOUT or not manager.is_running()):
+        raise RuntimeError(f"the continuous-batching engine stopped, or gave no result in {timeout:g} s")
     return result
 
 
@@ -141,7 +146,7 @@ def _serve_closed_loop(manager, prompts: list[list[int]], concurrency: int, max_
     while waiting and len(in_flight) < concurrency:
         submit()
     while in_flight:
-        result = _next_result(manager, timeout=600)
+        result = _next_result(manager)
         if result is None or not result.is_finished() or result.request_id not in in_flight:
             continue
         done = _finish_engine_request(requests, *in_flight.pop(result.request_id), result)
@@ -178,11 +183,11 @@ def _serve_open_loop(manager, prompts: list[list[int]], arrivals: list[float], m
             index, prompt = waiting.popleft()
             request_id = manager.add_request(prompt, max_new_tokens=max_new_tokens, record_timestamps=True)
             in_flight[request_id] = (index, requests.start + arrivals[index])
-        until_next = requests.start + arrivals[waiting[0][0]] - now if waiting else 600.0
+        until_next = requests.start + arrivals[waiting[0][0]] - now if waiting else RESULT_TIMEOUT
         if not in_flight:
             time.sleep(until_next)
             continue
-        result = _next_result(manager, timeout=max(until_next, 0.001))
+        result = _next_result(manager, timeout=min(max(until_next, 0.001), RESULT_TIMEOUT))
         if result is not None and result.is_finished() and result.request_id in in_flight:
             _finish_engine_request(requests, *in_flight.pop(result.request_id), result)
     return requests.run(None)
