@@ -527,7 +527,8 @@ class QualityHarnessTest(unittest.TestCase):
         def run(task_id, passed):
             entry = {"task_id": task_id, "passed": dict.fromkeys(QUALITY_METHODS, passed)}
             entry["same_text_as_greedy"] = dict.fromkeys(QUALITY_METHODS, True)
-            return {"problems": [entry], "dtype": "bfloat16", "max_new_tokens": 320}
+            environment = {"cpu": f"machine of {task_id}"}
+            return {"problems": [entry], "dtype": "bfloat16", "max_new_tokens": 320, "environment": environment}
 
         with tempfile.TemporaryDirectory() as directory:
             first, second = Path(directory, "a.json"), Path(directory, "b.json")
@@ -539,6 +540,14 @@ class QualityHarnessTest(unittest.TestCase):
             table = Path(directory, "all.txt").read_text()
         self.assertEqual([entry["task_id"] for entry in merged["problems"]], ["HumanEval/0", "HumanEval/1"])
         self.assertIn("| greedy | 1 / 2 | 0.500 | 2 / 2 |", table)
+        # Where each part ran stays with the merged result.
+        self.assertEqual(
+            merged["runs"],
+            [
+                {"task_ids": ["HumanEval/0"], "environment": {"cpu": "machine of HumanEval/0"}, "file": "a.json"},
+                {"task_ids": ["HumanEval/1"], "environment": {"cpu": "machine of HumanEval/1"}, "file": "b.json"},
+            ],
+        )
 
     def test_first_problem_outside_the_tuning_problems_is_refused_before_loading(self):
         for value in ("-1", "82"):

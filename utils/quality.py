@@ -93,7 +93,8 @@ def merge_quality(results: list[dict]) -> dict:
     """
     One result of several `--quality` runs over different problems (`--first-problem`), of one dtype and length: a
     long run can be split where time forbids running it at once. Batched greedy pairs each problem with the next one
-    of its own run, so the last problem of each run has another partner than in one long run.
+    of its own run, so the last problem of each run has another partner than in one long run. Each run's problems
+    and environment (machine, command) are kept under `runs`: the parts may have run on different machines.
     """
     settings = {(result["dtype"], result["max_new_tokens"]) for result in results}
     if len(settings) != 1:
@@ -103,7 +104,11 @@ def merge_quality(results: list[dict]) -> dict:
     if len(set(task_ids)) != len(task_ids):
         raise ValueError("The runs overlap: each problem must come from one run only.")
     dtype, max_new_tokens = settings.pop()
-    return {"problems": problems, "dtype": dtype, "max_new_tokens": max_new_tokens}
+    runs = [
+        {"task_ids": [entry["task_id"] for entry in result["problems"]], "environment": result.get("environment")}
+        for result in results
+    ]
+    return {"problems": problems, "dtype": dtype, "max_new_tokens": max_new_tokens, "runs": runs}
 
 
 def summarize_quality(result: dict) -> list[dict]:
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", type=Path, nargs="+", help="the runs' .json files, in problem order")
     args = parser.parse_args(argv)
     result = merge_quality([json.loads(path.read_text()) for path in args.runs])
-    result["merged_from"] = [str(path) for path in args.runs]
+    for run, path in zip(result["runs"], args.runs):
+        run["file"] = path.name
     result["summary"] = summarize_quality(result)
     table = format_quality_table(result["summary"], result)
     args.output.write_text(json.dumps(result, indent=1))
