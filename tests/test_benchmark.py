@@ -548,6 +548,9 @@ class QualityHarnessTest(unittest.TestCase):
                 {"task_ids": ["HumanEval/1"], "environment": {"cpu": "machine of HumanEval/1"}, "file": "b.json"},
             ],
         )
+        # A merged result merged again keeps the runs it was made of.
+        again = merge_quality([merged, run("HumanEval/2", True)], ["all.json", "c.json"])
+        self.assertEqual([part["file"] for part in again["runs"]], ["a.json", "b.json", "c.json"])
 
     def test_first_problem_outside_the_tuning_problems_is_refused_before_loading(self):
         for value in ("-1", "82"):

@@ -89,12 +89,13 @@ def run_quality(args, model, tokenizer) -> dict:
     return {"problems": results, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
 
 
-def merge_quality(results: list[dict]) -> dict:
+def merge_quality(results: list[dict], files: list[str] | None = None) -> dict:
     """
     One result of several `--quality` runs over different problems (`--first-problem`), of one dtype and length: a
     long run can be split where time forbids running it at once. Batched greedy pairs each problem with the next one
-    of its own run, so the last problem of each run has another partner than in one long run. Each run's problems
-    and environment (machine, command) are kept under `runs`: the parts may have run on different machines.
+    of its own run, so the last problem of each run has another partner than in one long run. Each run's problems,
+    environment (machine, command) and file (from `files`) are kept under `runs`, a merged result's own runs in its
+    place: the parts may have run on different machines.
     """
     settings = {(result["dtype"], result["max_new_tokens"]) for result in results}
     if len(settings) != 1:
@@ -104,10 +105,15 @@ def merge_quality(results: list[dict]) -> dict:
     if len(set(task_ids)) != len(task_ids):
         raise ValueError("The runs overlap: each problem must come from one run only.")
     dtype, max_new_tokens = settings.pop()
-    runs = [
-        {"task_ids": [entry["task_id"] for entry in result["problems"]], "environment": result.get("environment")}
-        for result in results
-    ]
+    runs = []
+    for index, result in enumerate(results):
+        own = {
+            "task_ids": [entry["task_id"] for entry in result["problems"]],
+            "environment": result.get("environment"),
+        }
+        if files is not None:
+            own["file"] = files[index]
+        runs.extend(result.get("runs") or [own])
     return {"problems": problems, "dtype": dtype, "max_new_tokens": max_new_tokens, "runs": runs}
 
 
@@ -150,9 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("output", type=Path, help="the merged result (.json; its table goes beside it as .txt)")
     parser.add_argument("runs", type=Path, nargs="+", help="the runs' .json files, in problem order")
     args = parser.parse_args(argv)
-    result = merge_quality([json.loads(path.read_text()) for path in args.runs])
-    for run, path in zip(result["runs"], args.runs):
-        run["file"] = path.name
+    result = merge_quality([json.loads(path.read_text()) for path in args.runs], [path.name for path in args.runs])
     result["summary"] = summarize_quality(result)
     table = format_quality_table(result["summary"], result)
     args.output.write_text(json.dumps(result, indent=1))
