@@ -274,15 +274,16 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     _in_own_thread(_generate_closed_loop, model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
     rates = getattr(args, "arrival_rate", None)
     levels = [(None, rate) for rate in rates] if rates else [(concurrency, None) for concurrency in args.concurrency]
+    tokens = args.max_new_tokens
     runs = []
     progress = tqdm(total=len(levels) * args.repeats * len(ENGINES), desc="continuous batching")
     for concurrency, rate in levels:
         if rate is None:
-            serve = partial(_serve_closed_loop, prompts=ids, concurrency=concurrency)
+            serve = partial(_serve_closed_loop, prompts=ids, concurrency=concurrency, max_new_tokens=tokens)
             one_at_a_time = partial(_generate_closed_loop, model, ids, concurrency)
         else:
             arrivals = arrival_times(len(ids), rate)
-            serve = partial(_serve_open_loop, prompts=ids, arrivals=arrivals)
+            serve = partial(_serve_open_loop, prompts=ids, arrivals=arrivals, max_new_tokens=tokens)
             one_at_a_time = partial(_generate_open_loop, model, ids, arrivals)
         for repeat in range(args.repeats):
             for engine in ENGINES:
@@ -290,11 +291,10 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
                     timer.reset()
                     run = _in_own_thread(one_at_a_time, lookahead_config)
                 else:
-                    serve_engine = partial(serve, max_new_tokens=args.max_new_tokens)
-                    run = _in_own_thread(_serve_fresh_engine, model, configs[engine], serve_engine, timer)
+                    run = _in_own_thread(_serve_fresh_engine, model, configs[engine], serve, timer)
                 run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
-                level = {"concurrency": concurrency, "arrival_rate": rate}
-                runs.append({"engine": engine, **level, "repeat": repeat, **run})
+                level = {"engine": engine, "concurrency": concurrency, "arrival_rate": rate, "repeat": repeat}
+                runs.append({**level, **run})
                 progress.update()
     progress.close()
     return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
