@@ -1,7 +1,11 @@
-"""Test helpers: the tiny models of `utils/tiny_models.py`, a small-vocabulary model, pools and cost tables."""
+"""
+Test helpers: the tiny models of `utils/tiny_models.py`, a small-vocabulary model, pools, cost tables and reading a
+server's stream.
+"""
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from unittest import mock
 
@@ -65,3 +69,22 @@ def flat_step_costs(engine_fit: bool = False):
         else:
             with mock.patch.object(EngineStepCost, "for_batch", return_value=None):
                 yield
+
+
+def read_stream(stream) -> tuple[str, list[float]]:
+    """The text of a streamed `openai` chat completion, and when each chunk with text arrived (`perf_counter`)."""
+    parts, arrivals = [], []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+            arrivals.append(time.perf_counter())
+    return "".join(parts), arrivals
+
+
+def stream_writes(arrivals: list[float], gap: float = 0.005) -> int:
+    """
+    How many writes a server made to a stream: chunks arriving less than `gap` seconds after the previous one belong
+    to the same write. A decoding step's tokens are one write whether the server sends them as one event (Transformers
+    5.25) or as one event per token (5.24); a forward pass on the CPU takes tens of milliseconds.
+    """
+    return sum(1 for index, arrival in enumerate(arrivals) if index == 0 or arrival - arrivals[index - 1] >= gap)

@@ -42,8 +42,9 @@ def generate(*args: Any, model: PreTrainedModel, **kwargs: Any):
     table and the carried estimates (and the suffix memory, where it is turned on).
 
     Raises:
-        `ValueError` for a refused setting; under a Starlette server (`transformers serve`) one that the server
-        answers with HTTP 422 and the message.
+        `ValueError` for a refused setting; under a Starlette server one that the server answers with HTTP 422 and
+        the message (`transformers serve` 5.24; 5.25 runs the model in a process of its own and answers every
+        `ValueError` with a 400 and the message).
     """
     _keep_state(model)
     try:
@@ -78,7 +79,7 @@ def _keep_state(model: PreTrainedModel) -> None:
 if HTTPException is not None:
 
     class RequestSettingsError(ValueError, HTTPException):
-        """A `ValueError` that web frameworks built on Starlette (`transformers serve`) answer with a 422."""
+        """A `ValueError` that web frameworks built on Starlette (`transformers serve` 5.24) answer with a 422."""
 
         def __init__(self, message: str):
             ValueError.__init__(self, message)
