@@ -1,7 +1,8 @@
 """
 Lookahead inside Transformers' continuous batching (`generate_batch`, `init_continuous_batching`): fp32 tokens
 identical to plain continuous batching, fewer forward passes, requests joining and stopping mid-step, the sampled
-distribution, the fallback to one-token steps under load, and the settings it refuses.
+distribution, each request's own sampling settings, the fallback to one-token steps under load, and the settings it
+refuses.
 """
 
 import statistics
@@ -23,6 +24,7 @@ from transformers_lookahead.continuous_batching import (
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
     check_continuous_batching_apis,
+    request_processors,
 )
 from transformers_lookahead.cost_model import StepCostModel
 from utils.distribution_check import homogeneity_p_value
@@ -46,6 +48,15 @@ def _prompts(count: int = len(LENGTHS)) -> list[list[int]]:
 def _config(max_new_tokens: int = 40, **settings) -> GenerationConfig:
     settings = {"do_sample": False, "eos_token_id": -1, "pad_token_id": 0, **settings}
     return GenerationConfig(max_new_tokens=max_new_tokens, **settings)
+
+
+def _collect_results(test: unittest.TestCase, manager, results: dict, count: int) -> dict:
+    """Adds the manager's finished requests to `results` until it holds `count`."""
+    while len(results) < count:
+        result = manager.get_result(timeout=30)
+        test.assertIsNotNone(result, "the engine stopped")
+        results[result.request_id] = result
+    return results
 
 
 class _ForwardCounter:
@@ -129,15 +140,9 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
             try:
                 first = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:3], limits[:3])]
                 # The others join once the first requests are decoding.
-                while not results:
-                    result = manager.get_result(timeout=30)
-                    self.assertIsNotNone(result, "the engine stopped")
-                    results[result.request_id] = result
+                _collect_results(self, manager, results, 1)
                 later = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[3:], limits[3:])]
-                while len(results) < len(prompts):
-                    result = manager.get_result(timeout=30)
-                    self.assertIsNotNone(result, "the engine stopped")
-                    results[result.request_id] = result
+                _collect_results(self, manager, results, len(prompts))
             finally:
                 manager.stop(block=True, timeout=10)
         for request_id, tokens in zip(first + later, expected):
@@ -359,6 +364,66 @@ class ContinuousBatchingSamplingTest(unittest.TestCase):
                 self.assertGreater(p_value, P_VALUE)
 
 
+class PerRequestSettingsTest(unittest.TestCase):
+    """`per_request_processors=True`, as `transformers serve --continuous-batching` runs the engine."""
+
+    def test_a_request_is_verified_with_its_own_settings(self):
+        # A sampling engine: a request with `top_k=1` (what the server sends for a greedy request) decodes plain
+        # greedy's tokens, beside a request that samples with its own temperature.
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        prompts = _prompts(3)
+        expected = [
+            model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :].tolist()
+            for prompt in prompts[:2]
+        ]
+        engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, per_request_processors=True)
+        config = _config(do_sample=True, temperature=0.7, top_k=50, lookahead_window=4, lookahead_ngram=3)
+        with flat_step_costs():
+            manager = model.init_continuous_batching(config, engine)
+            self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
+            manager.start()
+            try:
+                greedy = [manager.add_request(prompt, max_new_tokens=40, top_k=1) for prompt in prompts[:2]]
+                manager.add_request(prompts[2], max_new_tokens=40, temperature=0.4)
+                results = _collect_results(self, manager, {}, len(prompts))
+            finally:
+                manager.stop(block=True, timeout=10)
+        for request_id, tokens in zip(greedy, expected):
+            self.assertIsNone(results[request_id].error)
+            self.assertEqual(results[request_id].generated_tokens, tokens, request_id)
+        self.assertGreater(max(max(results[request_id].accepted_per_step) for request_id in greedy), 1)
+
+    def test_a_requests_warpers_score_as_the_stock_per_request_ones(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, per_request_processors=True)
+        config = _config(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, lookahead_window=4)
+        per_request = model.init_continuous_batching(config, engine).logit_processor
+        self.assertEqual(set(per_request.supported_keys), {"temperature", "top_k", "top_p"})
+        scores = torch.randn(1, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+        for settings in ({}, {"temperature": 0.3}, {"top_k": 3}, {"top_p": 0.5, "temperature": 1.5}):
+            with self.subTest(**settings):
+                state = mock.Mock(logit_processor_kwargs=settings)
+                arguments = torch.zeros(per_request.tensors_required, 1, dtype=torch.int32)
+                per_request.prepare_tensor_args([mock.Mock(state=state, has_new_token=True)], arguments)
+                reference = per_request(None, scores.clone(), arguments)
+                own = request_processors(per_request.logits_processor, settings)
+                self.assertTrue(torch.equal(own(None, scores.clone()), reference))
+
+    @parameterized.expand([("temperature", -1.0), ("top_k", 0), ("top_p", 1.5)])
+    def test_refuses_a_bad_request_setting_before_it_runs(self, setting, value):
+        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, per_request_processors=True)
+        config = _config(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, lookahead_window=4)
+        counter = _ForwardCounter(model)
+        self.addCleanup(counter.handle.remove)
+        with counter:
+            manager = model.init_continuous_batching(config, engine)
+            with self.assertRaises(ValueError) as raised:
+                manager.add_request(_prompts(1)[0], max_new_tokens=8, **{setting: value})
+        self.assertIn(setting, str(raised.exception))
+        self.assertEqual(counter.count, 0)
+
+
 class ContinuousBatchingSetupTest(unittest.TestCase):
     def test_the_cost_table_is_measured_off_the_callers_thread(self):
         # On a CPU the thread that runs forward passes keeps torch's OpenMP workers while it lives, beside the
@@ -391,7 +456,6 @@ class ContinuousBatchingSetupTest(unittest.TestCase):
                 {"num_return_sequences": 2, "do_sample": True},
                 "num_return_sequences=1",
             ),
-            ("per_request", "llama", {"per_request_processors": True}, {}, "per_request_processors=False"),
         ]
     )
     def test_refuses_what_it_cannot_serve_before_anything_runs(self, _, name, engine, generation, message):

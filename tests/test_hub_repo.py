@@ -8,7 +8,6 @@ import importlib.metadata
 import json
 import sys
 import tempfile
-import threading
 import unittest
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from utils.build_hub_repo import build_hub_repo
 from utils.serving import ServeProcess, lookahead_folder
 from utils.stock_venv import run_in_stock_venv, stock_python
 
-from .utils import read_stream, stream_writes
+from .utils import stream_chat, stream_chats_at_once, stream_writes
 
 # Runs in the stock venv as a Hub user would.
 STOCK_USER = Path(__file__).with_name("stock_user.py")
@@ -189,44 +188,20 @@ class StockTransformersTest(unittest.TestCase):
             environment = {MEMORY_DIR_VARIABLE: memory_dir}
             with ServeProcess(self.folder, python=self.python, environment=environment) as server:
                 client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
-                answers, arrivals, errors = {}, {}, []
-
-                def ask(question: str) -> None:
-                    try:
-                        body = {"generation_config": json.dumps(settings[question])} if settings[question] else None
-                        stream = client.chat.completions.create(
-                            model=str(self.folder),
-                            messages=[{"role": "user", "content": question}],
-                            max_tokens=40,
-                            temperature=0,
-                            stream=True,
-                            extra_body=body,
-                        )
-                        answers[question], arrivals[question] = read_stream(stream)
-                    except Exception as error:  # reported below with the question
-                        errors.append((question, repr(error)))
-
-                clients = [threading.Thread(target=ask, args=(question,)) for question in settings]
-                for thread in clients:
-                    thread.start()
-                for thread in clients:
-                    thread.join(timeout=600)
+                bodies = {
+                    question: {"generation_config": json.dumps(setting)} if setting else None
+                    for question, setting in settings.items()
+                }
+                results, errors = stream_chats_at_once(client, str(self.folder), bodies, 40)
                 self.assertEqual(errors, [])
                 moon = "List three facts about the Moon."
-                plain_stream = client.chat.completions.create(
-                    model=str(self.folder),
-                    messages=[{"role": "user", "content": moon}],
-                    max_tokens=40,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"generation_config": json.dumps({"lookahead_window": "off"})},
-                )
-                plain_answer, plain_arrivals = read_stream(plain_stream)
+                off = {"generation_config": json.dumps({"lookahead_window": "off"})}
+                plain_answer, plain_arrivals = stream_chat(client, str(self.folder), moon, 40, off)
             written = list(Path(memory_dir).iterdir())
-        self.assertEqual(answers, expected)
+        self.assertEqual({question: text for question, (text, _) in results.items()}, expected)
         self.assertEqual(plain_answer, expected[moon])
         # A step's accepted tokens leave the server in one write, so the fixed window's stream takes clearly fewer
         # writes than plain decoding's one per forward pass.
-        writes, plain_writes = stream_writes(arrivals[moon]), stream_writes(plain_arrivals)
+        writes, plain_writes = stream_writes(results[moon][1]), stream_writes(plain_arrivals)
         self.assertLessEqual(writes, 0.9 * plain_writes, f"{writes} writes against plain decoding's {plain_writes}")
         self.assertEqual(written, [], "served models keep no suffix memory unless the operator turns it on")

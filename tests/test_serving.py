@@ -21,7 +21,7 @@ from transformers_lookahead.suffix_memory import read_memory_file, vocabulary_ke
 from utils.faithfulness import greedy_margins, off_greedy_positions
 from utils.serving import ServeProcess, lookahead_folder
 
-from .utils import read_stream, stream_writes
+from .utils import read_stream, stream_chats_at_once, stream_writes
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -31,6 +31,20 @@ PROMPTS = [
 ]
 MAX_TOKENS = 40
 OFF = {"generation_config": json.dumps({"lookahead_window": "off"})}
+
+
+def _plain_greedy_answers(folder: Path, prompts: list[str]) -> dict[str, str]:
+    """Each prompt's answer by plain greedy `generate` in this process (fp32, `MAX_TOKENS`), as a chat turn."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    answers = {}
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        plain = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        answers[prompt] = tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
+    return answers
 
 
 @slow
@@ -66,20 +80,11 @@ class ServeTest(unittest.TestCase):
         return read_stream(self._chat(prompt, stream=True, **kwargs))
 
     def test_greedy_answers_equal_plain_greedy(self):
-        tokenizer = AutoTokenizer.from_pretrained(self.folder)
-        model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32)
+        expected = _plain_greedy_answers(self.folder, PROMPTS[:2])
         for prompt in PROMPTS[:2]:
             with self.subTest(prompt=prompt):
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    return_tensors="pt",
-                    return_dict=True,
-                )["input_ids"]
-                plain = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-                expected = tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
-                self.assertEqual(self._text(prompt), expected)
-                self.assertEqual(self._text(prompt, extra_body=OFF), expected)
+                self.assertEqual(self._text(prompt), expected[prompt])
+                self.assertEqual(self._text(prompt, extra_body=OFF), expected[prompt])
 
     def test_stream_equals_the_answer_and_sends_accepted_chunks_together(self):
         prompt = PROMPTS[2]
@@ -274,3 +279,33 @@ class ServeMemoryTest(unittest.TestCase):
         self.assertEqual(len(documents["tenant-b"]), 1)
         # Another tenant's memory holds other text; the greedy answer is the same.
         self.assertEqual(tenant_answer.choices[0].message.content, answers[1].choices[0].message.content)
+
+
+@slow
+class ProposedContinuousBatchingHookTest(unittest.TestCase):
+    """
+    `transformers serve --continuous-batching` with the guide's upstream proposal applied
+    (`utils/proposed_serving_hook.py`, which binds the folder's `init_continuous_batching` too). Stock Transformers
+    serves the same folder with plain continuous batching: that is the reference.
+    """
+
+    def test_the_served_engine_takes_lookahead_steps_and_answers_as_plain_greedy(self):
+        import openai
+
+        # A fixed window: its steps do not depend on this machine's timings.
+        folder = lookahead_folder(4)
+        prompts = PROMPTS[:2]
+        expected = _plain_greedy_answers(folder, prompts)
+        streams = {}
+        for hook in (True, False):
+            with ServeProcess(folder, extra_args=["--continuous-batching"], proposed_hook=hook) as server:
+                client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
+                # Two clients at once: the engine batches them.
+                streams[hook], errors = stream_chats_at_once(client, str(folder), dict.fromkeys(prompts), MAX_TOKENS)
+                self.assertEqual(errors, [], server.log())
+        for hook, results in streams.items():
+            self.assertEqual({prompt: text for prompt, (text, _) in results.items()}, expected, f"hook={hook}")
+        # Plain continuous batching writes once per token; a lookahead step's tokens are one write.
+        writes = sum(stream_writes(arrivals) for _, arrivals in streams[True].values())
+        plain_writes = sum(stream_writes(arrivals) for _, arrivals in streams[False].values())
+        self.assertLessEqual(writes, 0.9 * plain_writes, f"{writes} writes against plain decoding's {plain_writes}")

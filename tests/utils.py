@@ -5,6 +5,7 @@ server's stream.
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from unittest import mock
@@ -69,6 +70,44 @@ def flat_step_costs(engine_fit: bool = False):
         else:
             with mock.patch.object(EngineStepCost, "for_batch", return_value=None):
                 yield
+
+
+def stream_chat(client, model: str, prompt: str, max_tokens: int, body: dict | None = None) -> tuple[str, list[float]]:
+    """One greedy chat turn streamed from an OpenAI-compatible server (`client`, the `openai` client): `read_stream`."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body=body,
+    )
+    return read_stream(stream)
+
+
+def stream_chats_at_once(
+    client, model: str, bodies: dict[str, dict | None], max_tokens: int, timeout: float = 600
+) -> tuple[dict[str, tuple[str, list[float]]], list[tuple[str, str]]]:
+    """
+    `stream_chat` for every prompt of `bodies` (with its request body), all sent at once from threads of their own.
+
+    Returns:
+        `tuple`: each prompt's text and chunk arrivals, and the errors raised, as `(prompt, repr(error))`.
+    """
+    results, errors = {}, []
+
+    def ask(prompt: str) -> None:
+        try:
+            results[prompt] = stream_chat(client, model, prompt, max_tokens, bodies[prompt])
+        except Exception as error:  # returned with the prompt
+            errors.append((prompt, repr(error)))
+
+    clients = [threading.Thread(target=ask, args=(prompt,)) for prompt in bodies]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(timeout=timeout)
+    return results, errors
 
 
 def read_stream(stream) -> tuple[str, list[float]]:

@@ -92,6 +92,8 @@ class ServeProcess:
         python (`Path`, *optional*): the interpreter of the environment to serve from (its `transformers` script);
             defaults to this one's.
         dtype (`str`): the dtype the server loads the model in.
+        proposed_hook (`bool`): serve through `utils/proposed_serving_hook.py`, which applies the guide's upstream
+            proposal (a folder's `init_continuous_batching` bound too), to test it.
     """
 
     def __init__(
@@ -104,13 +106,16 @@ class ServeProcess:
         environment: dict[str, str] | None = None,
         python: Path | None = None,
         dtype: str = "float32",
+        proposed_hook: bool = False,
     ):
         self.folder = folder
         self.port = free_port()
         self.base_url = f"http://{LOOPBACK}:{self.port}/v1"
         self.startup_timeout = startup_timeout
-        executable = Path(python or sys.executable).with_name("transformers")
-        self.command = [str(executable), "serve", str(folder), "--host", LOOPBACK, "--port", str(self.port)]
+        python = Path(python or sys.executable)
+        launcher = [str(python), str(Path(__file__).with_name("proposed_serving_hook.py"))] if proposed_hook else []
+        self.command = launcher or [str(python.with_name("transformers"))]
+        self.command += ["serve", str(folder), "--host", LOOPBACK, "--port", str(self.port)]
         self.command += ["--device", "cpu", "--dtype", dtype, "--log-level", "warning"]
         if trust_remote_code:
             self.command.append("--trust-remote-code")

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
@@ -58,6 +64,13 @@ MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
 # At most this share of a batch's token budget goes to lookahead blocks while requests wait for their prefill, so
 # that speculation never holds new requests back for long.
 SHARE_WHILE_REQUESTS_WAIT = 0.5
+# Transformers' per-request warpers (`per_request_processors=True`, as `transformers serve --continuous-batching`
+# sets), and the request setting each reads.
+PER_REQUEST_WARPERS = {
+    "ContinuousBatchingTemperatureLogitsWarper": "temperature",
+    "ContinuousBatchingTopKLogitsWarper": "top_k",
+    "ContinuousBatchingTopPLogitsWarper": "top_p",
+}
 
 
 @dataclass
@@ -416,7 +429,7 @@ class LookaheadBatching:
             context = ContextIndex() if config.pool_from_prompt else None
         else:
             policy = StaticStepPolicy(self.window_size * config.levels)
-        processors = processors_for_row(self.logits_processor, 0, 1)
+        processors = processors_for_row(request_processors(self.logits_processor, state.logit_processor_kwargs), 0, 1)
         verifier = GreedyVerifier(processors)
         if self.do_sample:
             # One seed per request from torch's generator, as `generate` draws one per sequence.
@@ -542,6 +555,17 @@ class LookaheadContinuousBatchingManager(ContinuousBatchingManager):
         )
         return LookaheadBatchProcessor.adopt(processor, lookahead)
 
+    def add_request(self, input_ids: list[int], *args: Any, **kwargs: Any) -> str | None:
+        """
+        The stock `add_request`, whose per-request sampling settings (`temperature`, `top_k`, `top_p`, with
+        `per_request_processors=True`) are checked here, before anything runs: a step verifies the request with them.
+
+        Raises:
+            `ValueError` for a setting its warper refuses (e.g. `temperature=0` or `top_p=1.5`), naming it.
+        """
+        request_processors(self.logit_processor.logits_processor, kwargs)
+        return super().add_request(input_ids, *args, **kwargs)
+
 
 def init_continuous_batching_with_lookahead(
     model: PreTrainedModel,
@@ -624,8 +648,6 @@ def _lookahead_cb_config(
         problems.append(f"use_cuda_graph=False (steps vary in shape), got {cb_config.use_cuda_graph!r}")
     if cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None:
         problems.append("no varlen_compile_config or decode_compile_config (steps vary in shape)")
-    if cb_config.per_request_processors:
-        problems.append("per_request_processors=False (each request is verified with the generation config's)")
     if (generation_config.num_return_sequences or 1) > 1:
         problems.append(f"num_return_sequences=1, got {generation_config.num_return_sequences}")
     if getattr(model, "tp_size", None) and model.tp_size > 1:
@@ -643,6 +665,43 @@ def _lookahead_cb_config(
 
 
 # The internals of Transformers' continuous batching this module reaches, in one place.
+
+
+def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:
+    """
+    The processors one request is verified with. With `per_request_processors=True` Transformers replaces the
+    temperature, top-k and top-p warpers by ones that read every request's setting (`logit_processor_kwargs`, the
+    warper's own value where a request has none) over the whole batch; a step verifies each request on its own, so
+    the request gets the stock warper with its value. Other processors are the engine's.
+
+    Args:
+        processors (`LogitsProcessorList`): the engine's processors.
+        settings (`dict[str, Any]`): the request's `logit_processor_kwargs`.
+
+    Raises:
+        `ValueError` for a setting the stock warper refuses, naming it.
+    """
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    own = LogitsProcessorList()
+    for processor in processors:
+        if isinstance(processor, ContinuousBatchingLogitsProcessor):
+            name = PER_REQUEST_WARPERS.get(type(processor).__name__)
+            if name is None:
+                raise ValueError(
+                    f"Lookahead decoding verifies each request with its own {', '.join(PER_REQUEST_WARPERS.values())}"
+                    f" only, got the per-request processor {type(processor).__name__}: set "
+                    "per_request_processors=False in the continuous batching config."
+                )
+            value = settings.get(name, getattr(processor, name))
+            if name == "temperature":
+                processor = TemperatureLogitsWarper(value)
+            elif name == "top_k":
+                processor = TopKLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
+            else:
+                processor = TopPLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
+        own.append(processor)
+    return own
 
 
 def move_accepted_entries(cache: Any, moves: list[tuple[str, int, int, int, list[int]]]) -> None:
@@ -757,7 +816,19 @@ def check_continuous_batching_apis() -> list[str]:
         and "ledger.release" in inspect.getsource(CacheAllocator.free_blocks),
         "`CacheAllocator.block_table` and `ledger.release` (used by `release_pages_past`)",
     )
+    from transformers.generation.continuous_batching import cb_logits_processors
+
+    for name, setting in PER_REQUEST_WARPERS.items():
+        warper = getattr(cb_logits_processors, name, None)
+        expect(
+            warper is not None and warper.supported_kwargs == {setting: int if setting == "top_k" else float},
+            f"`{name}` reads the request's `{setting}` (rebuilt per request by `request_processors`)",
+        )
     state = RequestState(request_id="check", initial_tokens=[1, 2], max_new_tokens=2)
+    expect(
+        isinstance(getattr(state, "logit_processor_kwargs", None), dict),
+        "`RequestState.logit_processor_kwargs` (a request's own sampling settings)",
+    )
     expect(
         all(hasattr(state, name) for name in ("tokens_to_process", "position_offset", "generated_tokens")),
         "`RequestState.tokens_to_process`, `position_offset` and `generated_tokens` (read and set per step)",
