@@ -29,6 +29,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.continuous_batching import cb_logits_processors
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
@@ -681,11 +682,9 @@ def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]
     Raises:
         `ValueError` for a setting the stock warper refuses, naming it.
     """
-    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
-
     own = LogitsProcessorList()
     for processor in processors:
-        if isinstance(processor, ContinuousBatchingLogitsProcessor):
+        if isinstance(processor, cb_logits_processors.ContinuousBatchingLogitsProcessor):
             name = PER_REQUEST_WARPERS.get(type(processor).__name__)
             if name is None:
                 raise ValueError(
@@ -816,8 +815,6 @@ def check_continuous_batching_apis() -> list[str]:
         and "ledger.release" in inspect.getsource(CacheAllocator.free_blocks),
         "`CacheAllocator.block_table` and `ledger.release` (used by `release_pages_past`)",
     )
-    from transformers.generation.continuous_batching import cb_logits_processors
-
     for name, setting in PER_REQUEST_WARPERS.items():
         warper = getattr(cb_logits_processors, name, None)
         expect(
