@@ -460,10 +460,28 @@ class StepCeilingTest(unittest.TestCase):
         self.assertGreater(by_setting["auto, flat curve"]["tokens_per_step"], 1.0, "these prompts repeat themselves")
         self.assertEqual(by_setting["auto, flat curve"]["window_share"], 1.0, "a flat curve always runs the window")
         self.assertIn("| split (2) | auto, bf16 curve |", format_ceiling_table(rows, result))
+        chosen = run_ceiling(SimpleNamespace(**vars(args), ceiling_settings=["flat"]), model, None, prompts[:1])
+        self.assertEqual([row["setting"] for row in summarize_ceiling(chosen)], ["auto, flat curve"])
+        self.assertEqual(list(chosen["prompts"][0]["runs"]), ["auto, flat curve"])
+        with self.assertRaisesRegex(ValueError, r"--ceiling-settings takes \['bf16', 'flat'"):
+            run_ceiling(SimpleNamespace(**vars(args), ceiling_settings=["steep"]), model, None, prompts)
         with self.assertRaisesRegex(ValueError, "--dtype bfloat16"):
             run_ceiling(
                 SimpleNamespace(**{**vars(args), "dtype": "bfloat16"}), tiny_model("llama").bfloat16(), None, []
             )
+
+    def test_ceiling_settings_are_refused_before_loading(self):
+        for argv, message in (
+            (["--ceiling", "--ceiling-settings", "steep"], "invalid choice: 'steep'"),
+            (["--ceiling-settings", "flat"], "--ceiling-settings chooses the settings of --ceiling"),
+        ):
+            with (
+                mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
+                mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
+                self.assertRaises(SystemExit),
+            ):
+                benchmark.main(argv)
+            self.assertIn(message, stderr.getvalue())
 
 
 class QualityHarnessTest(unittest.TestCase):

@@ -66,7 +66,12 @@ from utils.memory_benchmark import (  # noqa: E402
 )
 from utils.plotting import grouped_bars  # noqa: E402
 from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
-from utils.step_ceiling import format_ceiling_table, run_ceiling, summarize_ceiling  # noqa: E402
+from utils.step_ceiling import (  # noqa: E402
+    CEILING_SETTING_NAMES,
+    format_ceiling_table,
+    run_ceiling,
+    summarize_ceiling,
+)
 from utils.timing import ForwardTimer, Run  # noqa: E402
 from utils.tiny_models import left_padded  # noqa: E402
 
@@ -815,6 +820,14 @@ def main(argv: list[str] | None = None) -> None:
         help='what "auto" steps were offered, verified and accepted, priced by fixed cost curves, in float32 '
         "(utils/step_ceiling.py)",
     )
+    parser.add_argument(
+        "--ceiling-settings",
+        nargs="+",
+        choices=list(CEILING_SETTING_NAMES),
+        default=None,
+        help="--ceiling: the settings to run (default: all); bf16 prices steps by the model's bf16 curve, the flat "
+        "ones verify everything offered",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument(
         "--arrival-rate",
@@ -860,6 +873,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--arrival-rate sets the load of --continuous-batching; add it, or drop --arrival-rate.")
     if args.arrival_rate is not None and min(args.arrival_rate) <= 0:
         parser.error(f"--arrival-rate takes requests per second above 0, got {args.arrival_rate}.")
+    if args.ceiling_settings is not None and not args.ceiling:
+        parser.error("--ceiling-settings chooses the settings of --ceiling; add it, or drop --ceiling-settings.")
     if not 0 <= args.first_problem < TUNING_PROBLEMS:
         parser.error(f"--first-problem must be one of the tuning problems, 0 to {TUNING_PROBLEMS - 1}.")
     if args.cost_curve:
