@@ -39,6 +39,7 @@ from utils.cb_benchmark import (
 )
 from utils.faithfulness import (
     DEPARTURE_METHODS,
+    STATIC_CACHE_ROOM,
     _step_offset,
     first_departure,
     format_departures_table,
@@ -89,6 +90,17 @@ def _benchmark_args(**settings) -> SimpleNamespace:
     return SimpleNamespace(
         whisper=False, methods=["greedy", "lookahead_auto"], sweep_prompts=0, command="test", **settings
     )
+
+
+def _assert_refused_before_loading(test: unittest.TestCase, argv: list[str], message: str) -> None:
+    """`utils/benchmark.py argv` exits with `message` before loading any model."""
+    with (
+        mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
+        mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
+        test.assertRaises(SystemExit),
+    ):
+        benchmark.main(argv)
+    test.assertIn(message, stderr.getvalue())
 
 
 class BenchmarkSummaryTest(unittest.TestCase):
@@ -205,12 +217,28 @@ class RepeatsTest(unittest.TestCase):
             max_new_tokens=24,
             do_sample=False,
             lookahead_window="auto",
-            lookahead_memory_namespace="repeat-0",
+            lookahead_memory_namespace="lookahead_auto-0",
             return_dict_in_generate=True,
         )
         self.assertLess(
             again.num_forward_passes, min(passes) / 2, f"repeats {passes}, from memory {again.num_forward_passes}"
         )
+
+    def test_a_method_is_not_answered_from_the_memory_of_another(self):
+        model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+        # Two methods that keep a memory and decode alike (the cache differs, not the steps), one repeat.
+        methods = {"greedy": {}, "first": {"lookahead_window": "auto"}, "second": {"lookahead_window": "auto"}}
+        args = _benchmark_args(max_new_tokens=24, repeats=1, dtype="float32")
+        args.methods = list(methods)
+        with (
+            mock.patch.dict("utils.benchmark.METHODS", methods, clear=True),
+            mock.patch("utils.benchmark._load", return_value=(model, None, torch.device("cpu"))),
+            mock.patch("utils.benchmark._prompts", return_value=[("p", "c", ids, ids.shape[1])]),
+        ):
+            result = run_benchmark(args)
+        passes = {run["method"]: run["forward_passes"] for run in result["runs"]}
+        self.assertGreater(passes["second"], 0.75 * passes["first"], f"answered from the first's memory: {passes}")
 
 
 class SamplingAndBatchedSummaryTest(unittest.TestCase):
@@ -391,6 +419,28 @@ class DeparturesTest(unittest.TestCase):
             changed_row["first_of_step"], r"^\d+ / \d+$", "where in its step the departing token was chosen"
         )
 
+    def test_a_static_cache_runs_every_method_and_plain_greedy_with_it(self):
+        model = enable_lookahead(tiny_model("llama"))
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+        rows = [random_prompt(length, seed=seed) for seed, length in enumerate((9, 14))]
+        prompts = [(f"p{index}", "test", row, row.shape[1]) for index, row in enumerate(rows)]
+        args = SimpleNamespace(max_new_tokens=12, dtype="float32", cache_implementation="static")
+        generate = model.generate
+        caches = []
+
+        def recording_generate(*args, **kwargs):
+            length = (args[0] if args else kwargs["input_ids"]).shape[1]
+            caches.append((kwargs.get("cache_implementation"), kwargs.get("max_cache_len", 0) - length))
+            return generate(*args, **kwargs)
+
+        with flat_step_costs(), mock.patch.object(model, "generate", recording_generate):
+            result = run_departures(args, model, tokenizer, prompts)
+        # Plain greedy, the batch, every method: one cache size past each input, with room for prompt lookup's
+        # candidates.
+        self.assertEqual(set(caches), {("static", 12 + STATIC_CACHE_ROOM)}, caches)
+        self.assertEqual([row["departed"] for row in summarize_departures(result)], [0] * len(DEPARTURE_METHODS))
+        self.assertIn("static cache", format_departures_table(summarize_departures(result), result))
+
 
 class NearGreedyCheckTest(unittest.TestCase):
     def test_plain_greedy_is_its_own_choice_and_a_changed_token_is_not(self):
@@ -474,14 +524,10 @@ class StepCeilingTest(unittest.TestCase):
         for argv, message in (
             (["--ceiling", "--ceiling-settings", "steep"], "invalid choice: 'steep'"),
             (["--ceiling-settings", "flat"], "--ceiling-settings chooses the settings of --ceiling"),
+            (["--departures", "--cache-implementation", "paged"], "invalid choice: 'paged'"),
+            (["--cache-implementation", "static"], "--cache-implementation sets the cache of --departures"),
         ):
-            with (
-                mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
-                mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
-                self.assertRaises(SystemExit),
-            ):
-                benchmark.main(argv)
-            self.assertIn(message, stderr.getvalue())
+            _assert_refused_before_loading(self, argv, message)
 
 
 class QualityHarnessTest(unittest.TestCase):
@@ -704,13 +750,7 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
             ),
             (["--arrival-rate", "1"], "--arrival-rate sets the load of --continuous-batching"),
         ):
-            with (
-                mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
-                mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
-                self.assertRaises(SystemExit),
-            ):
-                benchmark.main(argv)
-            self.assertIn(message, stderr.getvalue())
+            _assert_refused_before_loading(self, argv, message)
 
     def test_full_load_rate_leaves_out_the_drain(self):
         # Three clients, four requests: once the second answer ends no prompt is left, and the last two drain slowly.

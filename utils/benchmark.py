@@ -257,8 +257,9 @@ def run_benchmark(args) -> dict:
         for repeat in range(args.repeats):
             for name, kwargs in methods.items():
                 timer = timers[id(models[name])]
-                # One memory per repeat: earlier prompts' answers may help, this prompt's earlier answer may not.
-                out, seconds = timer.generate(ids, **common, **kwargs, **own_memory(kwargs, f"repeat-{repeat}"))
+                # One memory per method and repeat: earlier prompts' answers may help, this prompt's earlier answer
+                # may not, whether it came from an earlier repeat or from another method of this one.
+                out, seconds = timer.generate(ids, **common, **kwargs, **own_memory(kwargs, f"{name}-{repeat}"))
                 if reference is None:
                     reference = model.generate(ids, **common) if name != "greedy" else out
                 runs.append(
@@ -449,7 +450,7 @@ def run_sampling_benchmark(args) -> dict:
                         temperature=temperature,
                         max_new_tokens=args.max_new_tokens,
                         **kwargs,
-                        **own_memory(kwargs, f"{temperature}-{repeat}"),
+                        **own_memory(kwargs, f"{method}-{temperature}-{repeat}"),
                     )
                     runs.append(
                         Run(
@@ -594,7 +595,7 @@ def run_batched_benchmark(args) -> dict:
             for repeat in range(args.repeats):
                 for method, kwargs in methods.items():
                     out, seconds = timer.generate(
-                        **inputs, **common, **kwargs, **own_memory(kwargs, f"{size}-{repeat}")
+                        **inputs, **common, **kwargs, **own_memory(kwargs, f"{method}-{size}-{repeat}")
                     )
                     reference = out if reference is None else reference
                     generated = out[:, inputs["input_ids"].shape[1] :]
@@ -797,6 +798,13 @@ def main(argv: list[str] | None = None) -> None:
         help="where each method's greedy output departs from plain greedy, beside batched greedy (utils/faithfulness.py)",
     )
     parser.add_argument(
+        "--cache-implementation",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="--departures: the cache every method and plain greedy decode with (a static cache gives every pass one "
+        "key length)",
+    )
+    parser.add_argument(
         "--quality",
         action="store_true",
         help="HumanEval pass@1 of greedy, batched greedy, prompt lookup and lookahead (utils/quality.py); "
@@ -873,6 +881,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--arrival-rate sets the load of --continuous-batching; add it, or drop --arrival-rate.")
     if args.arrival_rate is not None and min(args.arrival_rate) <= 0:
         parser.error(f"--arrival-rate takes requests per second above 0, got {args.arrival_rate}.")
+    if args.cache_implementation != "dynamic" and not args.departures:
+        parser.error("--cache-implementation sets the cache of --departures; add it, or drop --cache-implementation.")
     if args.ceiling_settings is not None and not args.ceiling:
         parser.error("--ceiling-settings chooses the settings of --ceiling; add it, or drop --ceiling-settings.")
     if not 0 <= args.first_problem < TUNING_PROBLEMS:

@@ -5,6 +5,7 @@ left-padded batch of two. In fp32 every method should never depart; in bf16 / fp
 several rows) reduces in another order than a one-token pass, so near-ties can break the other way.
 
     python utils/benchmark.py --departures --dtype bfloat16 --num-prompts 8 --max-new-tokens 96
+    python utils/benchmark.py --departures --dtype bfloat16 --cache-implementation static   # one key length per call
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ DEPARTURE_METHODS = {
     "lookahead_auto": {"lookahead_window": "auto", "lookahead_memory": False},
     "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
 }
+
+
+# Slots a static cache keeps past the last generated token: Transformers' prompt lookup writes the entries of the
+# candidates it verifies there (up to `prompt_lookup_num_tokens`) and fails on a cache sized to the output.
+STATIC_CACHE_ROOM = 16
 
 
 class ForcedPath(LogitsProcessor):
@@ -145,7 +151,8 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
     with the next one), and the first position where each departs from plain greedy within `args.max_new_tokens`.
     Also, per departure, plain greedy's margin between its two best logits at that position (how near a tie it was)
     and, for lookahead, where in its step the departing token was chosen (`_step_offset`); and plain greedy's margins
-    at every position, to compare with.
+    at every position, to compare with. Everything decodes with `args.cache_implementation` (`"dynamic"` when
+    absent).
 
     Args:
         prompts (`list`): `(prompt_id, category, input_ids, prompt_length)` as the benchmark builds them.
@@ -154,9 +161,11 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    cache = getattr(args, "cache_implementation", "dynamic")
     results = []
     for index, (prompt_id, category, ids, prompt_length) in enumerate(tqdm(prompts, desc="departures", unit="prompt")):
-        plain = model.generate(ids, **common, output_scores=True, return_dict_in_generate=True)
+        own_cache = cache_kwargs(cache, ids.shape[1], args.max_new_tokens)
+        plain = model.generate(ids, **common, **own_cache, output_scores=True, return_dict_in_generate=True)
         reference = _new_tokens(plain.sequences[0], prompt_length, pad_id, tokenizer.eos_token_id)
         margins = [float(scores[0].topk(2).values.diff().abs()) for scores in plain.scores[: len(reference)]]
         departures, details, off_greedy, forwards = {}, {}, {}, {}
@@ -164,11 +173,12 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
             if kwargs is None:
                 neighbour = prompts[(index + 1) % len(prompts)][2]
                 batch = left_padded([ids, neighbour], pad_id)
-                row = model.generate(**batch, **common, pad_token_id=pad_id)[0]
+                batch_cache = cache_kwargs(cache, batch["input_ids"].shape[1], args.max_new_tokens)
+                row = model.generate(**batch, **common, **batch_cache, pad_token_id=pad_id)[0]
                 generated = _new_tokens(row, batch["input_ids"].shape[1], pad_id, tokenizer.eos_token_id)
                 steps = None
             else:
-                out = model.generate(ids, **common, **kwargs, return_dict_in_generate=True)
+                out = model.generate(ids, **common, **own_cache, **kwargs, return_dict_in_generate=True)
                 generated = _new_tokens(out.sequences[0], prompt_length, pad_id, tokenizer.eos_token_id)
                 steps = getattr(out, "accepted_per_step", None)
             if steps is not None:
@@ -181,7 +191,7 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                     "margin": margins[departure],
                     "step_offset": None if steps is None else _step_offset(steps, departure),
                 }
-            off_greedy[method] = _off_greedy_count(model, ids, generated, departure)
+            off_greedy[method] = _off_greedy_count(model, ids, generated, departure, own_cache)
         results.append(
             {
                 "prompt_id": prompt_id,
@@ -194,14 +204,31 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                 "margins": margins,
             }
         )
-    return {"prompts": results, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+    return {"prompts": results, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "cache": cache}
 
 
-def _off_greedy_count(model, ids: torch.LongTensor, generated: list[int], departure: int | None) -> int:
-    """How many of `generated` are no near-tie of plain greedy's choice along that text (none before `departure`)."""
+def cache_kwargs(cache: str, input_length: int, max_new_tokens: int) -> dict:
+    """
+    The `generate` arguments that decode `input_length` tokens and their continuation with the `cache`
+    implementation: none for `"dynamic"`; a static cache is sized to the output plus `STATIC_CACHE_ROOM`, the same for
+    every method of a prompt (lookahead asks for more: its widest step, `max_cache_len` being a floor).
+    """
+    if cache == "dynamic":
+        return {}
+    return {"cache_implementation": cache, "max_cache_len": input_length + max_new_tokens + STATIC_CACHE_ROOM}
+
+
+def _off_greedy_count(
+    model, ids: torch.LongTensor, generated: list[int], departure: int | None, cache: dict | None = None
+) -> int:
+    """
+    How many of `generated` are no near-tie of plain greedy's choice along that text (none before `departure`), plain
+    greedy decoding with the cache arguments (`cache_kwargs`) the text was generated with.
+    """
     if departure is None or not generated:
         return 0
-    margins, scales = greedy_margins(model, {"input_ids": ids}, torch.tensor([generated], device=ids.device))
+    kwargs = cache or {}
+    margins, scales = greedy_margins(model, {"input_ids": ids}, torch.tensor([generated], device=ids.device), **kwargs)
     return len(off_greedy_positions(margins, scales, model.dtype))
 
 
@@ -239,8 +266,8 @@ def summarize_departures(result: dict) -> list[dict]:
 
 def format_departures_table(rows: list[dict], result: dict) -> str:
     lines = [
-        f"Departures from plain greedy ({result['dtype']}, {result['max_new_tokens']} new tokens; batched_greedy is "
-        "the prompt in a left-padded batch of two)",
+        f"Departures from plain greedy ({result['dtype']}, {result['max_new_tokens']} new tokens, "
+        f"{result.get('cache', 'dynamic')} cache; batched_greedy is the prompt in a left-padded batch of two)",
         "",
         "| method | prompts departed | median first departure | earliest | plain's top-2 margin there | first of "
         "its step | tokens no near-tie of plain greedy | tok/forward |",
