@@ -801,8 +801,8 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-implementation",
         choices=["dynamic", "static"],
         default="dynamic",
-        help="--departures: the cache every method and plain greedy decode with (a static cache gives every pass one "
-        "key length)",
+        help="--departures: the cache every method and plain greedy decode with (a static cache gives every pass of "
+        "a call the same key slots)",
     )
     parser.add_argument(
         "--quality",
