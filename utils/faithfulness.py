@@ -191,7 +191,7 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                     "margin": margins[departure],
                     "step_offset": None if steps is None else _step_offset(steps, departure),
                 }
-            off_greedy[method] = _off_greedy_count(model, ids, generated, departure, own_cache)
+            off_greedy[method] = _off_greedy_count(model, ids, generated, departure, **own_cache)
         results.append(
             {
                 "prompt_id": prompt_id,
@@ -219,7 +219,7 @@ def cache_kwargs(cache: str, input_length: int, max_new_tokens: int) -> dict:
 
 
 def _off_greedy_count(
-    model, ids: torch.LongTensor, generated: list[int], departure: int | None, cache: dict | None = None
+    model, ids: torch.LongTensor, generated: list[int], departure: int | None, **cache_arguments
 ) -> int:
     """
     How many of `generated` are no near-tie of plain greedy's choice along that text (none before `departure`), plain
@@ -227,8 +227,8 @@ def _off_greedy_count(
     """
     if departure is None or not generated:
         return 0
-    kwargs = cache or {}
-    margins, scales = greedy_margins(model, {"input_ids": ids}, torch.tensor([generated], device=ids.device), **kwargs)
+    texts = torch.tensor([generated], device=ids.device)
+    margins, scales = greedy_margins(model, {"input_ids": ids}, texts, **cache_arguments)
     return len(off_greedy_positions(margins, scales, model.dtype))
 
 
