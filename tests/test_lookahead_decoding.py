@@ -7,11 +7,11 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-from transformers_lookahead import LookaheadDecoderOnlyOutput, enable_lookahead
+from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadState, enable_lookahead
 from transformers_lookahead.compatibility import set_attention_implementation_unchecked
 from transformers_lookahead.step_policy import AdaptiveStepPolicy
 
-from .utils import EAGER_ONLY, TINY_CONFIGS, random_prompt, tiny_model
+from .utils import EAGER_ONLY, TINY_CONFIGS, decoding_loop_default_device, left_padded, random_prompt, tiny_model
 
 # (W, N, G): the smallest step, lade's settings, a window without a pool, large values, and the adaptive policy
 STEP_SHAPES = [(1, 2, 0), (4, 3, 4), (7, 5, 7), (3, 4, 0), (15, 5, 15), ("auto", 5, None)]
@@ -114,6 +114,36 @@ class LookaheadExactnessTest(unittest.TestCase):
         expected = model.generate(prompt, max_length=48, do_sample=False)
         out = _lookahead(model, prompt, max_length=48, lookahead_window=7)
         self.assertTrue(torch.equal(out.sequences, expected))
+
+
+class ModelDeviceTest(unittest.TestCase):
+    """Every tensor the decoding loop makes goes to the model's device or, on purpose, to the host."""
+
+    @parameterized.expand([(4, "dynamic"), ("auto", "dynamic"), (4, "static"), ("auto", "static")])
+    def test_greedy_with_another_default_device(self, window, cache):
+        # A fresh state: "auto" measures its cost table inside the loop too.
+        model = enable_lookahead(tiny_model("qwen3"), state=LookaheadState(cost_dir=None))
+        # A left-padded batch where the cache takes one (a static cache takes one row per call).
+        inputs = {"input_ids": random_prompt(24, seed=1)}
+        if cache == "dynamic":
+            inputs = left_padded([random_prompt(24, seed=1), random_prompt(17, seed=2)])
+        kwargs = {"max_new_tokens": 30, "cache_implementation": cache}
+        expected = model.generate(**inputs, do_sample=False, **kwargs)
+        with decoding_loop_default_device("meta"):
+            out = _lookahead(model, None, **inputs, lookahead_window=window, **kwargs)
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.assertLess(out.num_forward_passes, 30, "the test text must let lookahead accept something")
+
+    def test_sampling_with_another_default_device(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(24, seed=3)
+        kwargs = {"max_new_tokens": 30, "do_sample": True, "lookahead_window": 4}
+        torch.manual_seed(0)
+        expected = model.generate(prompt, **kwargs)
+        torch.manual_seed(0)
+        with decoding_loop_default_device("meta"):
+            out = model.generate(prompt, **kwargs)
+        self.assertTrue(torch.equal(out, expected))
 
 
 class RecordingStreamer(BaseStreamer):

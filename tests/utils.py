@@ -16,9 +16,9 @@ import transformers
 from transformers_lookahead import LookaheadState
 from transformers_lookahead.cost_model import EngineStepCost, StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool, TokenTree
-from utils.tiny_models import EAGER_ONLY, INIT_RANGE, TINY_CONFIGS, VOCAB, random_prompt, tiny_model
+from utils.tiny_models import EAGER_ONLY, INIT_RANGE, TINY_CONFIGS, VOCAB, left_padded, random_prompt, tiny_model
 
-__all__ = ["EAGER_ONLY", "INIT_RANGE", "TINY_CONFIGS", "VOCAB", "random_prompt", "tiny_model"]
+__all__ = ["EAGER_ONLY", "INIT_RANGE", "TINY_CONFIGS", "VOCAB", "left_padded", "random_prompt", "tiny_model"]
 
 SMALL_VOCABULARY = 12
 
@@ -127,3 +127,37 @@ def stream_writes(arrivals: list[float], gap: float = 0.005) -> int:
     5.25) or as one event per token (5.24); a forward pass on the CPU takes tens of milliseconds.
     """
     return sum(1 for index, arrival in enumerate(arrivals) if index == 0 or arrival - arrivals[index - 1] >= gap)
+
+
+@contextmanager
+def decoding_loop_default_device(device: str):
+    """
+    Runs lookahead's decoding loop with torch's default device set to `device` (use `"meta"`), while the model's own
+    code and the caches Transformers builds keep the CPU.
+
+    On an accelerator the default device (the CPU) is not the model's, so a tensor the loop makes without saying
+    where it goes lands off the model's device. On a CPU-only machine everything is on the CPU and such a tensor
+    goes unnoticed; a meta tensor mixes with no real tensor, so here it fails as it would on a GPU.
+    """
+    import transformers_lookahead.generation_mixin as mixin
+
+    decoding, module_call = mixin.lookahead_generate, torch.nn.Module.__call__
+
+    def decoding_on_device(*args, **kwargs):
+        with torch.device(device):
+            return decoding(*args, **kwargs)
+
+    def on_cpu(function):
+        def wrapped(*args, **kwargs):
+            with torch.device("cpu"):
+                return function(*args, **kwargs)
+
+        return wrapped
+
+    with (
+        mock.patch.object(mixin, "lookahead_generate", decoding_on_device),
+        mock.patch.object(torch.nn.Module, "__call__", on_cpu(module_call)),
+        mock.patch.object(transformers.DynamicCache, "__init__", on_cpu(transformers.DynamicCache.__init__)),
+        mock.patch.object(transformers.StaticCache, "__init__", on_cpu(transformers.StaticCache.__init__)),
+    ):
+        yield

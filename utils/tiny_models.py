@@ -112,15 +112,15 @@ TINY_CONFIGS = {
 EAGER_ONLY = ("gemma2",)
 
 
-def tiny_model(name: str, attn_implementation: str | None = None, seed: int = 0):
+def tiny_model(name: str, attn_implementation: str | None = None, seed: int = 0, **config_overrides):
     """
     A tiny fp32 random model of architecture `name` (a key of `TINY_CONFIGS`), in eval mode; `sdpa` attention unless
-    told otherwise or the family has none.
+    told otherwise or the family has none. `config_overrides` replace entries of its config.
     """
     if attn_implementation is None:
         attn_implementation = "eager" if name in EAGER_ONLY else "sdpa"
     config_class, model_class, kwargs = TINY_CONFIGS[name]
-    config = getattr(transformers, config_class)(**_COMMON, **kwargs)
+    config = getattr(transformers, config_class)(**_COMMON, **{**kwargs, **config_overrides})
     torch.manual_seed(seed)
     model = model_from_config(getattr(transformers, model_class), config, attn_implementation)
     model.generation_config.eos_token_id = None

@@ -290,7 +290,7 @@ def measure_step_costs(
         grid = tuple(length for length in grid if length <= limit // 2)
         context = min(context, limit - max(grid))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab, (1, context + max(grid)), generator=generator).to(device)
+    ids = torch.randint(vocab, (1, context + max(grid)), generator=generator, device="cpu").to(device)
     cache = DynamicCache(config=model.config)
     if model.config.is_encoder_decoder:
         cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))

@@ -450,7 +450,7 @@ class LookaheadDecoder:
         noises = None
         if self.generation_config.do_sample:
             # One seed per sequence from torch's generator: `torch.manual_seed` fixes the call's text.
-            seeds = torch.randint(0, 2**62, (input_ids.shape[0],), dtype=torch.int64).tolist()
+            seeds = torch.randint(0, 2**62, (input_ids.shape[0],), dtype=torch.int64, device="cpu").tolist()
             noises = [PositionNoise(seed) for seed in seeds]
             first_tokens = [
                 noise.sample(first_scores[index], input_ids.shape[1]) for index, noise in enumerate(noises)
@@ -486,7 +486,7 @@ class LookaheadDecoder:
         pool = NGramPool(config.levels, config.guess)
         if config.pool_from_prompt:
             pool.add_sequence(tokens)
-        window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens))
+        window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens, device=text.buffer.device))
         context = None
         if config.adaptive:
             policy = AdaptiveStepPolicy(

@@ -29,7 +29,7 @@ class LookaheadWindow:
 
     def __init__(self, window: int, levels: int, prompt_ids: torch.LongTensor):
         generator = torch.Generator().manual_seed(WINDOW_SEED)
-        picks = torch.randint(prompt_ids.shape[0], (levels, window), generator=generator)
+        picks = torch.randint(prompt_ids.shape[0], (levels, window), generator=generator, device="cpu")
         self.tokens = prompt_ids[picks.to(prompt_ids.device)]
         self.window = window
         self.levels = levels

@@ -164,7 +164,7 @@ class PositionNoise:
         """The noise of `position`: `size` independent standard Gumbel values (on the CPU), shape `(size,)`."""
         generator = torch.Generator().manual_seed(_mix(self.seed, position))
         # Uniform in (0, 1]: -log(-log(u)) is finite except at u = 1 (+inf, probability 2^-53 per value).
-        uniform = 1.0 - torch.rand(size, generator=generator, dtype=torch.float64)
+        uniform = 1.0 - torch.rand(size, generator=generator, dtype=torch.float64, device="cpu")
         return -torch.log(-torch.log(uniform))
 
     def sample(self, scores: torch.Tensor, position: int) -> int:
