@@ -26,6 +26,7 @@ Checks (each prints one line; the run fails if an exactness check fails):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -222,8 +223,12 @@ def check_real_model(report: Report, device: torch.device, args: argparse.Namesp
 
     common = ["--device", str(device), "--dtype", "bfloat16", "--num-prompts", str(args.real_prompts)]
     common += ["--cache-dir", args.cache_dir] if args.cache_dir else []
-    # The benchmark's own files stay in a temporary folder; their summaries go into this report.
-    with tempfile.TemporaryDirectory() as folder:
+    # The benchmark's own files (every run) go next to the report when there is one, else to a temporary folder.
+    with contextlib.ExitStack() as stack:
+        if args.output:
+            folder = str(Path(args.output).with_suffix("")) + "_real_model"
+        else:
+            folder = stack.enter_context(tempfile.TemporaryDirectory())
         benchmark.main(
             [*common, "--output-dir", folder, "--max-new-tokens", "128", "--repeats", str(args.real_repeats)]
             + ["--methods", "greedy", "prompt_lookup", "lookahead_auto", "--no-reference-fp32"]
@@ -244,7 +249,11 @@ def check_real_model(report: Report, device: torch.device, args: argparse.Namesp
         for cache in ("dynamic", "static"):
             departures = [*common, "--output-dir", folder, "--max-new-tokens", "64", "--departures"]
             benchmark.main([*departures, "--cache-implementation", cache])
-            summary = json.loads(Path(folder, "departures-bfloat16.json").read_text())["summary"]
+            written = Path(folder, "departures-bfloat16.json").rename(
+                Path(folder, f"departures-bfloat16-{cache}.json")
+            )
+            Path(folder, "departures-bfloat16.txt").rename(Path(folder, f"departures-bfloat16-{cache}.txt"))
+            summary = json.loads(written.read_text())["summary"]
             report.add(
                 f"bf16 SmolLM2 departures from plain greedy, 64 tokens, {cache} cache",
                 None,
@@ -266,7 +275,12 @@ CHECKS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default=None, help="where to write the JSON report (default: print only)")
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="where to write the JSON report (default: print only); --real-model's benchmark files go to a folder "
+        "beside it (`<output without .json>_real_model/`)",
+    )
     parser.add_argument(
         "--real-model", action="store_true", help="also run SmolLM2-135M-Instruct in bf16: speed and departures"
     )
