@@ -434,7 +434,9 @@ class LookaheadBatching:
         verifier = GreedyVerifier(processors)
         if self.do_sample:
             # One seed per request from torch's generator, as `generate` draws one per sequence.
-            verifier = SamplingVerifier(processors, PositionNoise(int(torch.randint(0, 2**62, (), device="cpu").item())))
+            verifier = SamplingVerifier(
+                processors, PositionNoise(int(torch.randint(0, 2**62, (), device="cpu").item()))
+            )
         lookahead = RequestLookahead(tokens, len(tokens) + remaining, pool, None, policy, context, verifier)
         self.requests[state.request_id] = lookahead
         return lookahead
