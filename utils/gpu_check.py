@@ -30,6 +30,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -217,6 +218,102 @@ def check_cost_curve(report: Report, device: torch.device) -> None:
     )
 
 
+# SmolLM2-135M's shape (random weights: a pass costs what the real model's costs, whatever it says).
+SMOLLM2_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+
+
+class PassTimer:
+    """Times every forward pass of a model and counts them, synchronising the device around each."""
+
+    def __init__(self, model):
+        self.model, self.seconds, self.lengths = model, [], []
+        model.register_forward_pre_hook(self._start, with_kwargs=True)
+        model.register_forward_hook(self._stop, with_kwargs=True)
+
+    def _sync(self):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _start(self, module, args, kwargs):
+        self._sync()
+        self._began = time.perf_counter()
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
+        self.lengths.append(ids.shape[-1])
+
+    def _stop(self, module, args, kwargs, output):
+        self._sync()
+        self.seconds.append(time.perf_counter() - self._began)
+
+
+def check_step_profile(report: Report, device: torch.device) -> None:
+    """
+    What a lookahead pass costs against a plain greedy one on a model of SmolLM2's shape in bf16 (median ms per pass,
+    passes after the prefill), against what the cost table `"auto"` prices steps by predicts, and what each pass
+    launches (CUDA kernels, or operators on the CPU) with its five costliest kernels: where a step's time goes on this
+    device.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = SMOLLM2_SHAPE if device.type != "cpu" else {**SMOLLM2_SHAPE, "num_hidden_layers": 4}
+    config = transformers.LlamaConfig(**shape)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model = enable_lookahead(model, state=LookaheadState(cost_dir=None))
+    prompt = torch.randint(2, config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    methods = {"greedy": {}, "lookahead 7/5/7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7}}
+    table = model.lookahead_state.cost_model(model)
+    greedy_ms = None
+    timer = PassTimer(model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, kwargs in methods.items():
+        common = {"max_new_tokens": 24, "do_sample": False, **kwargs}
+        model.generate(prompt, **common)  # warm-up
+        timer.seconds, timer.lengths = [], []
+        for _ in range(3):
+            model.generate(prompt, **common)
+        # The prompt's pass (the prefill) is longer than any decoding pass.
+        passes = [(n, seconds) for n, seconds in zip(timer.lengths, timer.seconds) if n < prompt.shape[1]]
+        ms_per_pass = 1000 * statistics.median(seconds for _, seconds in passes)
+        greedy_ms = greedy_ms or ms_per_pass
+        with profile(activities=activities) as profiler:
+            timer.seconds, timer.lengths = [], []
+            model.generate(prompt, **common)
+        profiled_passes = max(len(timer.lengths), 1)
+        events = profiler.key_averages()
+        if device.type == "cuda":
+            kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+            launched = sum(event.count for event in kernels)
+            top = sorted(kernels, key=lambda event: event.self_device_time_total, reverse=True)[:5]
+            costliest = {
+                event.key[:60]: round(event.self_device_time_total / profiled_passes / 1000, 3) for event in top
+            }
+        else:
+            launched = sum(event.count for event in events if event.key.startswith("aten::"))
+            costliest = None
+        lengths = sorted({length for length, _ in passes})
+        report.add(
+            f"step profile {name}",
+            None,
+            ms_per_pass=round(ms_per_pass, 2),
+            pass_lengths=f"{lengths[0]}-{lengths[-1]}",
+            vs_greedy_pass=round(ms_per_pass / greedy_ms, 2),
+            cost_table_says=round(table(int(statistics.median(n for n, _ in passes))), 2),
+            launched_per_pass=round(launched / profiled_passes),
+            costliest_ms_per_pass=costliest,
+        )
+
+
 def check_real_model(report: Report, device: torch.device, args: argparse.Namespace) -> None:
     """SmolLM2 in bf16 through the benchmark: speed side by side, then departures from plain greedy (both caches)."""
     from utils import benchmark
@@ -270,6 +367,7 @@ CHECKS = {
     "batch": check_batch,
     "memory_and_sampling": check_memory_and_sampling,
     "cost_curve": check_cost_curve,
+    "step_profile": check_step_profile,
 }
 
 
