@@ -134,6 +134,18 @@ class ModelDeviceTest(unittest.TestCase):
         self.assertTrue(torch.equal(out.sequences, expected))
         self.assertLess(out.num_forward_passes, 30, "the test text must let lookahead accept something")
 
+    def test_suffix_memory_with_another_default_device(self):
+        model = enable_lookahead(tiny_model("llama"))
+        prompt = random_prompt(24, seed=5)
+        expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        with decoding_loop_default_device("meta"):
+            first, again = (
+                _lookahead(model, prompt, max_new_tokens=30, lookahead_window="auto", lookahead_memory=True)
+                for _ in range(2)
+            )
+        self.assertTrue(torch.equal(first.sequences, expected) and torch.equal(again.sequences, expected))
+        self.assertLess(again.num_forward_passes, first.num_forward_passes, "the second call must use the memory")
+
     def test_sampling_with_another_default_device(self):
         model = enable_lookahead(tiny_model("llama"))
         prompt = random_prompt(24, seed=3)

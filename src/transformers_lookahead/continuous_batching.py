@@ -124,7 +124,7 @@ class RequestLookahead:
 
     @property
     def pending(self) -> torch.LongTensor:
-        return torch.tensor(self.tokens[-1:])
+        return torch.tensor(self.tokens[-1:], device="cpu")
 
 
 @dataclass
@@ -365,7 +365,7 @@ class LookaheadBatching:
         logits = self.logits[first : first + count]
         verified = step is not None and step.row.length > 1
         tree, tree_row = (step.choice.tree, step.row.tree_row) if verified else (TokenTree(), 1)
-        input_ids = torch.tensor([lookahead.tokens]) if lookahead.verifier.logits_processor else None
+        input_ids = torch.tensor([lookahead.tokens], device="cpu") if lookahead.verifier.logits_processor else None
         verdict = lookahead.verifier.verify(logits, tree, tree_row, input_ids, lookahead.limit - lookahead.length)
         kept, finished = 0, False
         for token, scores in zip(verdict.tokens, verdict.scores):
@@ -380,7 +380,9 @@ class LookaheadBatching:
             self._learn(step, verdict, kept, logits)
         elif lookahead.window is None:
             # Drawn from the prompt and its first token, as `generate` draws a sequence's window.
-            lookahead.window = LookaheadWindow(self.window_size, self.config.levels, torch.tensor(lookahead.tokens))
+            lookahead.window = LookaheadWindow(
+                self.window_size, self.config.levels, torch.tensor(lookahead.tokens, device="cpu")
+            )
         if self.config.pool_from_prompt:
             lookahead.pool.add_sequence(lookahead.tokens, first_key=len(lookahead.tokens) - kept - self.config.levels)
         if verified and not finished:

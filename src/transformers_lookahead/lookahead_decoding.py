@@ -737,8 +737,10 @@ class LookaheadDecoder:
             accepted = [sequence.accepted + [0] * (steps - len(sequence.accepted)) for sequence in sequences]
             return LookaheadEncoderDecoderOutput(
                 **outputs,
-                num_forward_passes=torch.tensor([1 + len(sequence.accepted) for sequence in sequences]),
-                accepted_per_step=torch.tensor(accepted, dtype=torch.long).reshape(len(sequences), steps),
+                num_forward_passes=torch.tensor([1 + len(sequence.accepted) for sequence in sequences], device="cpu"),
+                accepted_per_step=torch.tensor(accepted, dtype=torch.long, device="cpu").reshape(
+                    len(sequences), steps
+                ),
             )
         return LookaheadDecoderOnlyOutput(
             **outputs,

@@ -148,8 +148,8 @@ class SuffixMemory:
             path (`str` or `os.PathLike`): the file.
         """
         documents = self.documents()
-        tokens = torch.tensor([token for document in documents for token in document], dtype=torch.int64)
-        lengths = torch.tensor([len(document) for document in documents], dtype=torch.int64)
+        tokens = torch.tensor([token for document in documents for token in document], dtype=torch.int64, device="cpu")
+        lengths = torch.tensor([len(document) for document in documents], dtype=torch.int64, device="cpu")
         metadata = {
             "format": MEMORY_FORMAT,
             "version": MEMORY_VERSION,
