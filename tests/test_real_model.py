@@ -20,7 +20,7 @@ from transformers import (
 from transformers.testing_utils import slow
 
 from transformers_lookahead import LookaheadState, enable_lookahead
-from transformers_lookahead.step_policy import AdaptiveStepPolicy
+from transformers_lookahead.lookahead_decoding import LookaheadDecoder
 from utils.assets import (
     chat_input_ids,
     read_wav,
@@ -201,7 +201,7 @@ class SmolLM2HalfPrecisionTest(unittest.TestCase):
         with (
             mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", methods, clear=True),
             mock.patch.object(LookaheadState, "cost_model", return_value=self.BFLOAT16_COSTS),
-            mock.patch.object(AdaptiveStepPolicy, "observe_duration", lambda *args: None),
+            mock.patch.object(LookaheadDecoder, "follows_durations", False),
         ):
             rows = {
                 row["method"]: row for row in summarize_departures(run_departures(args, model, tokenizer, prompts))

@@ -359,6 +359,60 @@ class StepPolicyTest(unittest.TestCase):
         self.assertEqual(len(_plan(policy, tree, False).tree), 0, "a memory that misses is not verified")
 
 
+class StepDurationTest(unittest.TestCase):
+    """What measured step durations teach the adaptive policy about the cost of its steps."""
+
+    def _timed(self, policy: AdaptiveStepPolicy, cost_of, steps: int = 12) -> None:
+        """Reports a one-token step of 10 ms, then `steps` steps of every length 2-64 costing `cost_of(length)`."""
+        policy.observe_duration(1, 0.010)
+        for _ in range(steps):
+            for length in (2, 4, 8, 16, 32, 64):
+                policy.observe_duration(length, 0.010 * cost_of(length))
+
+    def test_a_flat_table_learns_what_long_steps_cost(self):
+        # A table that prices every step at one token, where steps cost more (a GPU driven by a slow host).
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
+        self._timed(policy, lambda length: 2.0 if length < 32 else 3.0)
+        for length in (2, 8, 16):
+            self.assertAlmostEqual(policy.step_cost(length), 2.0, delta=0.15)
+        self.assertAlmostEqual(policy.step_cost(64), 3.0, delta=0.2)
+        self.assertEqual(policy.step_cost(1), 1.0)
+
+    def test_a_right_table_is_left_alone(self):
+        policy = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)
+        self._timed(policy, MODEST)
+        for length in (2, 8, 16, 64):
+            self.assertAlmostEqual(policy.step_cost(length), MODEST(length), places=6)
+
+    def test_a_table_too_low_by_a_factor_is_rescaled(self):
+        # Steps whose excess over one token is twice the table's: the excess factor explains it all.
+        policy = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)
+        self._timed(policy, lambda length: 1.0 + 2.0 * (MODEST(length) - 1.0))
+        self.assertAlmostEqual(policy.step_cost(8), 2.0, delta=0.05)
+        self.assertEqual(policy._underpricing, {band: 1.0 for band in (2, 3, 4, 5, 6, 7)})
+
+    def test_a_timed_policy_makes_its_second_step_a_one_token_step_once(self):
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2, times_steps=True)
+        first, second, third = (_plan(policy, _tree()) for _ in range(3))
+        self.assertTrue(first.use_window and len(first.tree) == 5, "a flat table verifies everything")
+        self.assertFalse(second.use_window)
+        self.assertEqual(len(second.tree), 0)
+        self.assertTrue(third.use_window and len(third.tree) == 5, "only once, even if no duration was reported")
+
+    def test_no_one_token_step_is_forced_once_one_was_timed_or_without_timing(self):
+        timed = AdaptiveStepPolicy(FLAT, window_length=8, levels=2, times_steps=True)
+        timed.observe_duration(1, 0.010)
+        untimed = AdaptiveStepPolicy(FLAT, window_length=8, levels=2)
+        for policy in (timed, untimed):
+            choices = [_plan(policy, _tree()) for _ in range(3)]
+            self.assertTrue(all(choice.use_window and len(choice.tree) == 5 for choice in choices))
+
+    def test_a_batch_budget_is_not_overridden(self):
+        policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2, times_steps=True)
+        choices = [_plan(policy, _tree(), budget=20) for _ in range(3)]
+        self.assertTrue(all(choice.use_window for choice in choices))
+
+
 class CalibrationTest(unittest.TestCase):
     def _policy(self, predicted: float = 0.0, realized: float = 0.0) -> AdaptiveStepPolicy:
         policy = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)

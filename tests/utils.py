@@ -15,6 +15,7 @@ import transformers
 
 from transformers_lookahead import LookaheadState
 from transformers_lookahead.cost_model import EngineStepCost, StepCostModel
+from transformers_lookahead.lookahead_decoding import LookaheadDecoder
 from transformers_lookahead.ngram_pool import NGramPool, TokenTree
 from utils.tiny_models import EAGER_ONLY, INIT_RANGE, TINY_CONFIGS, VOCAB, left_padded, random_prompt, tiny_model
 
@@ -56,7 +57,8 @@ def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree
 def flat_step_costs(engine_fit: bool = False):
     """
     Makes `"auto"` plan with a flat cost table (every step length costs one token, as on an accelerator) instead of
-    this machine's measured one, so its steps do not depend on the timings of a shared CPU.
+    this machine's measured one, and learn nothing from step durations, so its steps do not depend on the timings of
+    a shared CPU.
 
     Args:
         engine_fit (`bool`): whether a continuous-batching engine still prices its steps by the ones it timed
@@ -64,7 +66,10 @@ def flat_step_costs(engine_fit: bool = False):
             the host's work outweighs the forward pass, and on a starved CPU the fit then priced every step of
             several tokens out.
     """
-    with mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel({1: 1.0, 64: 1.0})):
+    with (
+        mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel({1: 1.0, 64: 1.0})),
+        mock.patch.object(LookaheadDecoder, "follows_durations", False),
+    ):
         if engine_fit:
             yield
         else:

@@ -150,7 +150,8 @@ def _recorded(steps: list[StepRecord], pricing: StepCostModel, tuning: dict) -> 
     stack = ExitStack()
     tuned = replace(AUTO_TUNING, **tuning)
     stack.enter_context(mock.patch.object(AdaptiveStepPolicy, "observe", recording))
-    stack.enter_context(mock.patch.object(AdaptiveStepPolicy, "observe_duration", lambda *args: None))
+    # Priced by the fixed curve alone: no learning from measured durations.
+    stack.enter_context(mock.patch.object(lookahead_decoding.LookaheadDecoder, "follows_durations", False))
     stack.enter_context(mock.patch.object(LookaheadState, "cost_model", return_value=pricing))
     for module in (lookahead_decoding, configuration_lookahead):
         stack.enter_context(mock.patch.object(module, "AUTO_TUNING", tuned))

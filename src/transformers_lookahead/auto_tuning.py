@@ -38,6 +38,8 @@ class AutoTuning:
         calibration_prior (`float`): predicted and accepted nodes the calibration starts from (a factor of 1).
         duration_smoothing (`float`): how fast measured step durations move the cost table's excess over one token.
         excess_scale_range (`tuple[float, float]`): the bounds of one duration's measured excess factor.
+        underpricing_range (`tuple[float, float]`): the bounds of one duration's measured cost over what the excess
+            factor explains (see `AdaptiveStepPolicy.observe_duration`).
         engine_steps_kept (`int`): the latest steps of a continuous-batching engine its cost is fitted to.
         engine_steps_needed (`int`): the steps an engine must have run before its own fit prices its steps (the
             cost table does until then).
@@ -63,6 +65,7 @@ class AutoTuning:
     calibration_prior: float = 1.0
     duration_smoothing: float = 0.2
     excess_scale_range: tuple[float, float] = (0.25, 4.0)
+    underpricing_range: tuple[float, float] = (1.0, 4.0)
     engine_steps_kept: int = 64
     engine_steps_needed: int = 16
 

@@ -373,13 +373,19 @@ class LookaheadDecoder:
         # criteria fired keeps generating until every sequence's have.
         self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         self.token_stops = TokenStoppingCriteria.of(stopping_criteria)
-        # Step times differ between the ranks of a tensor-parallel model, which must plan alike.
-        self.follows_durations = self.sync is None
         self._carried: dict[tuple, PolicyEstimates | None] = {}
         # Earlier calls' text, whose continuations the steps also verify; this call's is added when it ends.
         self.memory = None
         if config.memory:
             self.memory = self.state.memory(model, config.memory_namespace, config.memory_size)
+
+    @property
+    def follows_durations(self) -> bool:
+        """
+        Whether the adaptive policy also learns from measured step durations (and times a one-token step for that).
+        Not on tensor-parallel ranks: their step times differ, and they must plan alike.
+        """
+        return self.sync is None
 
     def run(
         self,
@@ -496,6 +502,7 @@ class LookaheadDecoder:
                 context_depth=AUTO_TUNING.context_depth,
                 memory_match=self.memory.max_match if self.memory is not None else 0,
                 memory_depth=AUTO_TUNING.memory_depth,
+                times_steps=self.follows_durations,
             )
             learnt = self._carried_estimates(self._estimates_key(policy))
             if learnt is not None:

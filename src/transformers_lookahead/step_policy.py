@@ -11,6 +11,9 @@ from .cost_model import StepCostModel
 from .ngram_pool import NGramPool, TokenTree
 from .verification import Verdict
 
+# The step (1-based, after the prefill) a policy that has timed no one-token step yet makes one.
+_TIMED_ONE_TOKEN_STEP = 2
+
 
 def choose_window(
     cost: StepCostModel, levels: int, max_window: int, budget: float = AUTO_TUNING.window_cost_budget
@@ -254,7 +257,9 @@ class AdaptiveStepPolicy:
       percent of the time. Choosing the window resets the wait.
     - Cost: `StepCostModel` of the step length, its excess over a one-token step rescaled by a running factor
       learnt from the measured duration of the steps of this call (tables measured on an idle machine drift when
-      the load or the context length changes).
+      the load or the context length changes). What no factor within its bounds explains, a step costlier than its
+      table says by more than a factor of the excess can account for (a table near flat where steps are not, as
+      on a GPU driven by a slow host), is learnt per band of step lengths and multiplies their cost.
 
     With the nodes sorted by probability, every prefix is a valid subtree (a child is never likelier than its
     parent), so one pass over the prefixes, with and without the window, finds the best step.
@@ -272,6 +277,8 @@ class AdaptiveStepPolicy:
         memory_depth (`int`): the deepest continuation of the suffix memory.
         calibration_decay (`float`): weight kept by the calibration sums at each step.
         calibration_prior (`float`): predicted and accepted nodes the calibration starts from.
+        times_steps (`bool`): whether the caller reports each step's duration (`observe_duration`); such a policy
+            makes its second step a one-token step if none was timed by then, the reference durations are judged by.
     """
 
     def __init__(
@@ -287,8 +294,10 @@ class AdaptiveStepPolicy:
         memory_depth: int = 0,
         calibration_decay: float = AUTO_TUNING.calibration_decay,
         calibration_prior: float = AUTO_TUNING.calibration_prior,
+        times_steps: bool = False,
     ):
         self.cost = cost
+        self.times_steps = times_steps
         self.window_length = window_length
         self.decay = decay
         self.probe_every = probe_every
@@ -308,6 +317,9 @@ class AdaptiveStepPolicy:
         self._levels = levels
         self._single_token_seconds: float | None = None
         self._excess_scale = 1.0
+        # Per band of step lengths (`length.bit_length()`): measured cost over what the excess factor explains.
+        self._underpricing: dict[int, float] = {}
+        self._steps_planned = 0
 
     adapts = True
 
@@ -317,7 +329,8 @@ class AdaptiveStepPolicy:
 
     def step_cost(self, length: int) -> float:
         """The expected cost of a step of `length` tokens, in one-token steps."""
-        return 1.0 + (self.cost(length) - 1.0) * self._excess_scale
+        scaled = 1.0 + (self.cost(length) - 1.0) * self._excess_scale
+        return scaled if length == 1 else scaled * self._underpricing.get(length.bit_length(), 1.0)
 
     @property
     def shape(self) -> tuple:
@@ -360,14 +373,27 @@ class AdaptiveStepPolicy:
             length (`int`): the step's length T.
             seconds (`float`): the time from the start of its forward pass to its verified tokens.
         """
+        smoothing = AUTO_TUNING.duration_smoothing
         if length == 1:
             previous = self._single_token_seconds
-            smoothing = AUTO_TUNING.duration_smoothing
             self._single_token_seconds = seconds if previous is None else previous + smoothing * (seconds - previous)
-        elif self._single_token_seconds is not None and self.cost(length) > 1.0:
-            measured = (seconds / self._single_token_seconds - 1.0) / (self.cost(length) - 1.0)
+            return
+        if self._single_token_seconds is None:
+            return
+        measured = seconds / self._single_token_seconds
+        excess = self.cost(length) - 1.0
+        explained = 1.0
+        if excess > 0.0:
             low, high = AUTO_TUNING.excess_scale_range
-            self._excess_scale += AUTO_TUNING.duration_smoothing * (min(max(measured, low), high) - self._excess_scale)
+            factor = min(max((measured - 1.0) / excess, low), high)
+            self._excess_scale += smoothing * (factor - self._excess_scale)
+            explained = 1.0 + excess * factor
+        # A flat table (no excess to scale) or one far too low: without this, steps priced at about one token that
+        # cost two ran "auto" at half plain greedy's speed (a flat table on a CPU, measured).
+        low, high = AUTO_TUNING.underpricing_range
+        band = length.bit_length()
+        previous = self._underpricing.get(band, 1.0)
+        self._underpricing[band] = previous + smoothing * (min(max(measured / explained, low), high) - previous)
 
     def _learn_matches(self, tree: TokenTree, continuation: list[int]) -> None:
         node = -1
@@ -423,6 +449,12 @@ class AdaptiveStepPolicy:
         settled on, which it pays for anyway), the one with the most expected tokens. After `probe_every` (or the
         learnt wait) steps without the window, the window runs as a probe.
         """
+        self._steps_planned += 1
+        untimed = self.times_steps and self._single_token_seconds is None
+        if budget is None and untimed and self._steps_planned == _TIMED_ONE_TOKEN_STEP:
+            # Every step's duration is judged against a one-token step's, and a table that prices long steps at about
+            # one token would never choose one: the call's second step is one, once (its first may still warm up).
+            return StepChoice(offer, False, offer.tree.subtree([]))
         options = offer.options
         if budget is None:
             best = max(options, key=lambda option: option.expected / self.step_cost(option.length))
