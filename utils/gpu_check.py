@@ -1,10 +1,12 @@
 """
-`make gpu-check`: the checks that need an accelerator, in one prepared command (at most 8 minutes on one GPU), with
-tiny random models built in the run (nothing from the network). Also runs on the CPU (`DEVICE=cpu`), where CI keeps
-it working.
+`make gpu-check`: the checks that need an accelerator, in one prepared command (about 2 minutes on an H200), with
+random models built in the run (nothing from the network; `--real-model` adds the real one). Also runs on the CPU
+(`DEVICE=cpu`), where CI keeps it working.
 
     python utils/gpu_check.py                 # DEVICE=cuda if available, else cpu
     DEVICE=cpu python utils/gpu_check.py --output gpu_check.json
+    python utils/gpu_check.py --checks step_profile batch        # some of the checks
+    python utils/gpu_check.py --real-model --output gpu_check.json  # and SmolLM2 in bf16 (assets from PyPI)
 
 Checks (each prints one line; the run fails if an exactness check fails):
 - exactness in fp32: greedy lookahead (W=4 and "auto") token-identical to plain greedy, several families;
@@ -17,6 +19,8 @@ Checks (each prints one line; the run fails if an exactness check fails):
 - a left-padded batch against batched greedy;
 - the suffix memory: a repeated request exact (and in fewer passes), seeded sampling the same with and without it;
 - the cost curve: forward time against step length on a ~100M-parameter random Llama (a smaller one on the CPU);
+- the step profile: a greedy pass and a lookahead pass on a random model of SmolLM2's shape, their times against
+  what the cost table predicts, and what each launches (`torch.profiler`);
 - with `--real-model`: SmolLM2-135M-Instruct in bf16 on tuning prompts, speed side by side (plain greedy, prompt
   lookup, lookahead "auto"; `utils/benchmark.py`) and departures from plain greedy beside batched greedy's
   (`--departures`). The assets come from PyPI once (`utils/assets.py`), or from a folder staged ahead with
@@ -236,7 +240,7 @@ class PassTimer:
     """Times every forward pass of a model and counts them, synchronising the device around each."""
 
     def __init__(self, model):
-        self.model, self.seconds, self.lengths = model, [], []
+        self.model, self.seconds, self.lengths, self._began = model, [], [], 0.0
         model.register_forward_pre_hook(self._start, with_kwargs=True)
         model.register_forward_hook(self._stop, with_kwargs=True)
 
