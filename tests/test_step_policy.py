@@ -391,6 +391,21 @@ class StepDurationTest(unittest.TestCase):
         self.assertAlmostEqual(policy.step_cost(8), 2.0, delta=0.05)
         self.assertEqual(policy._underpricing, {band: 1.0 for band in (2, 3, 4, 5, 6, 7)})
 
+    def test_what_steps_cost_is_carried_to_the_next_call(self):
+        learnt = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)
+        self._timed(learnt, lambda length: 2.0 * MODEST(length))
+        fresh = AdaptiveStepPolicy(MODEST, window_length=8, levels=2)
+        fresh.start_from(learnt.estimates())
+        for length in (1, 2, 8, 64):
+            self.assertEqual(fresh.step_cost(length), learnt.step_cost(length))
+        self.assertGreater(fresh.step_cost(8), 1.5 * MODEST(8))
+
+    def test_carried_step_costs_average_over_sequences(self):
+        a = PolicyEstimates((0.5,), (0.5,), 1.0, 1.0, excess_scale=1.0, underpricing=((2, 2.0),))
+        b = PolicyEstimates((0.5,), (0.5,), 1.0, 1.0, excess_scale=3.0, underpricing=((2, 1.0), (4, 3.0)))
+        mean = PolicyEstimates.mean([a, b])
+        self.assertEqual((mean.excess_scale, mean.underpricing), (2.0, ((2, 1.5), (4, 2.0))))
+
     def test_a_timed_policy_makes_its_second_step_a_one_token_step_once(self):
         policy = AdaptiveStepPolicy(FLAT, window_length=8, levels=2, times_steps=True)
         first, second, third = (_plan(policy, _tree()) for _ in range(3))

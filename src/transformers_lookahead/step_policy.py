@@ -75,6 +75,9 @@ class PolicyEstimates:
         predicted (`float`): decayed sum of the acceptance probabilities of the nodes steps verified.
         realized (`float`): decayed sum of the nodes those steps accepted.
         probe_wait (`float`): steps without the window before the next forced window step (0: not learnt).
+        excess_scale (`float`): the factor measured durations put on the cost table's excess over one token.
+        underpricing (`tuple[tuple[int, float]]`): per band of step lengths, `(band, factor)`: what measured durations
+            add to the cost beyond the excess factor (none learnt: empty).
     """
 
     match_rate: tuple[float, ...]
@@ -85,6 +88,8 @@ class PolicyEstimates:
     predicted: float = 0.0
     realized: float = 0.0
     probe_wait: float = 0.0
+    excess_scale: float = 1.0
+    underpricing: tuple[tuple[int, float], ...] = ()
 
     @staticmethod
     def mean(estimates: list[PolicyEstimates]) -> PolicyEstimates:
@@ -103,6 +108,11 @@ class PolicyEstimates:
             sum(e.predicted for e in estimates) / count,
             sum(e.realized for e in estimates) / count,
             sum(e.probe_wait for e in estimates) / count,
+            sum(e.excess_scale for e in estimates) / count,
+            tuple(
+                (band, sum(dict(e.underpricing).get(band, 1.0) for e in estimates) / count)
+                for band in sorted({band for e in estimates for band, _ in e.underpricing})
+            ),
         )
 
 
@@ -349,6 +359,8 @@ class AdaptiveStepPolicy:
             self._predicted,
             self._realized,
             float(self._probe_wait),
+            self._excess_scale,
+            tuple(sorted(self._underpricing.items())),
         )
 
     def start_from(self, estimates: PolicyEstimates) -> None:
@@ -359,6 +371,9 @@ class AdaptiveStepPolicy:
         self._window_credit, self._window_steps = estimates.window_credit, estimates.window_steps
         self._predicted, self._realized = estimates.predicted, estimates.realized
         self._probe_wait = min(max(round(estimates.probe_wait), self.probe_every), self.max_probe_every)
+        # What steps cost is carried too: on a device whose table is off, each call would otherwise spend its first
+        # steps learning it again. The one-token time is not (it grows with the context).
+        self._excess_scale, self._underpricing = estimates.excess_scale, dict(estimates.underpricing)
 
     @property
     def calibration(self) -> float:
