@@ -66,6 +66,7 @@ from utils.step_ceiling import (
     run_ceiling,
     summarize_ceiling,
 )
+from utils.timing import ForwardTimer
 from utils.tiny_models import left_padded
 
 from .utils import flat_step_costs, random_prompt, tiny_model
@@ -792,3 +793,17 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         self.assertEqual(rows["plain_cb"]["tokens_per_forward"], 4 / 3)
         self.assertEqual((rows["plain_cb"]["pass_ms"], rows["plain_cb"]["forward_ms"]), (500.0, 250.0))
         self.assertEqual((rows["lookahead_cb"]["latency_p50"], rows["lookahead_cb"]["latency_p95"]), (1.0, 1.5))
+
+
+class ForwardTimerTest(unittest.TestCase):
+    def test_each_pass_is_recorded_with_its_query_tokens(self):
+        model = tiny_model("llama")
+        timer = ForwardTimer(model)
+        out, seconds = timer.generate(random_prompt(12, seed=1), max_new_tokens=4, do_sample=False)
+        self.assertEqual(out.shape[1], 16)
+        self.assertEqual([tokens for tokens, _ in timer.passes], [12, 1, 1, 1])
+        self.assertEqual(timer.calls, 4)
+        self.assertAlmostEqual(timer.seconds, sum(elapsed for _, elapsed in timer.passes))
+        self.assertLessEqual(timer.seconds, seconds)
+        timer.reset()
+        self.assertEqual((timer.calls, timer.passes), (0, []))

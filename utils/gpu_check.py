@@ -49,6 +49,7 @@ from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E40
 from transformers_lookahead.compatibility import compile_config  # noqa: E402
 from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
 from utils.faithfulness import greedy_margins, off_greedy_positions  # noqa: E402
+from utils.timing import ForwardTimer  # noqa: E402
 from utils.tiny_models import random_prompt, tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
@@ -236,29 +237,6 @@ SMOLLM2_SHAPE = {
 }
 
 
-class PassTimer:
-    """Times every forward pass of a model and counts them, synchronising the device around each."""
-
-    def __init__(self, model):
-        self.model, self.seconds, self.lengths, self._began = model, [], [], 0.0
-        model.register_forward_pre_hook(self._start, with_kwargs=True)
-        model.register_forward_hook(self._stop, with_kwargs=True)
-
-    def _sync(self):
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-
-    def _start(self, module, args, kwargs):
-        self._sync()
-        self._began = time.perf_counter()
-        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
-        self.lengths.append(ids.shape[-1])
-
-    def _stop(self, module, args, kwargs, output):
-        self._sync()
-        self.seconds.append(time.perf_counter() - self._began)
-
-
 def check_step_profile(report: Report, device: torch.device) -> None:
     """
     What a lookahead pass costs against a plain greedy one on a model of SmolLM2's shape in bf16 (median ms per pass,
@@ -278,22 +256,22 @@ def check_step_profile(report: Report, device: torch.device) -> None:
     methods = {"greedy": {}, "lookahead 7/5/7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7}}
     table = model.lookahead_state.cost_model(model)
     greedy_ms = None
-    timer = PassTimer(model)
+    timer = ForwardTimer(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, kwargs in methods.items():
         common = {"max_new_tokens": 24, "do_sample": False, **kwargs}
         model.generate(prompt, **common)  # warm-up
-        timer.seconds, timer.lengths = [], []
+        timer.reset()
         for _ in range(3):
             model.generate(prompt, **common)
         # The prompt's pass (the prefill) is longer than any decoding pass.
-        passes = [(n, seconds) for n, seconds in zip(timer.lengths, timer.seconds) if n < prompt.shape[1]]
+        passes = [(n, seconds) for n, seconds in timer.passes if n < prompt.shape[1]]
         ms_per_pass = 1000 * statistics.median(seconds for _, seconds in passes)
         greedy_ms = greedy_ms or ms_per_pass
+        timer.reset()
         with profile(activities=activities) as profiler:
-            timer.seconds, timer.lengths = [], []
             model.generate(prompt, **common)
-        profiled_passes = max(len(timer.lengths), 1)
+        profiled_passes = max(timer.calls, 1)
         events = profiler.key_averages()
         if device.type == "cuda":
             kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]

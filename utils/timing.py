@@ -36,16 +36,21 @@ class Run:
 
 
 class ForwardTimer:
-    """Counts the model's forward passes and their time, through module hooks (for every method alike)."""
+    """
+    Counts the model's forward passes and their time, through module hooks (for every method alike); `passes` holds
+    each pass's `(query tokens, seconds)` (`None` tokens where the pass took no `input_ids`).
+    """
 
     def __init__(self, model):
         self.model = model
         self.reset()
-        model.register_forward_pre_hook(self._start)
-        model.register_forward_hook(self._stop)
+        model.register_forward_pre_hook(self._start, with_kwargs=True)
+        model.register_forward_hook(self._stop, with_kwargs=True)
 
     def reset(self):
         self.calls, self.seconds, self._began = 0, 0.0, 0.0
+        self.passes: list[tuple[int | None, float]] = []
+        self._tokens: int | None = None
 
     def generate(self, *args, **kwargs):
         """
@@ -62,11 +67,15 @@ class ForwardTimer:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
 
-    def _start(self, module, args):
+    def _start(self, module, args, kwargs):
         self._sync()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._tokens = ids.shape[-1] if isinstance(ids, torch.Tensor) else None
         self._began = time.perf_counter()
 
-    def _stop(self, module, args, output):
+    def _stop(self, module, args, kwargs, output):
         self._sync()
+        elapsed = time.perf_counter() - self._began
         self.calls += 1
-        self.seconds += time.perf_counter() - self._began
+        self.seconds += elapsed
+        self.passes.append((self._tokens, elapsed))

@@ -99,6 +99,8 @@ class PolicyEstimates:
         def average(values) -> tuple[float, ...]:
             return tuple(sum(column) / count for column in zip(*values))
 
+        underpricing = [dict(e.underpricing) for e in estimates]
+
         return PolicyEstimates(
             average(e.match_rate for e in estimates),
             average(e.context_rate for e in estimates),
@@ -110,8 +112,8 @@ class PolicyEstimates:
             sum(e.probe_wait for e in estimates) / count,
             sum(e.excess_scale for e in estimates) / count,
             tuple(
-                (band, sum(dict(e.underpricing).get(band, 1.0) for e in estimates) / count)
-                for band in sorted({band for e in estimates for band, _ in e.underpricing})
+                (band, sum(bands.get(band, 1.0) for bands in underpricing) / count)
+                for band in sorted({band for bands in underpricing for band in bands})
             ),
         )
 
