@@ -9,6 +9,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadState, enable_lookahead
 from transformers_lookahead.compatibility import set_attention_implementation_unchecked
+from transformers_lookahead.cost_model import COST_GRID
 from transformers_lookahead.step_policy import AdaptiveStepPolicy
 
 from .utils import (
@@ -147,6 +148,7 @@ class ModelDeviceTest(unittest.TestCase):
         model = tiny_model("qwen3")
         with decoding_loop_default_device("meta"), torch.device("meta"):
             table = LookaheadState(cost_dir=None).cost_model(model)
+        self.assertEqual(table.lengths, list(COST_GRID), "every step length of the grid was timed")
         self.assertEqual(table(1), 1.0)
         self.assertGreaterEqual(table(64), 1.0)
 
