@@ -72,7 +72,7 @@ from utils.step_ceiling import (  # noqa: E402
     run_ceiling,
     summarize_ceiling,
 )
-from utils.timing import ForwardTimer, Run  # noqa: E402
+from utils.timing import ForwardTimer, Run, native_half_precision, provenance  # noqa: E402
 from utils.tiny_models import left_padded  # noqa: E402
 
 # name -> generate() keyword arguments
@@ -145,30 +145,9 @@ def _environment(args, device) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "command": args.command,
+        "native_half_precision": native_half_precision(device),
+        **provenance(),
     }
-
-
-def native_half_precision(device: torch.device, cpu_flags: str | None = None) -> str | None:
-    """
-    `"bfloat16"` (or `"float16"`) where `device` computes it natively, else `None`: a CPU without bf16 instructions
-    emulates it, slower than float32.
-
-    Args:
-        cpu_flags (`str`, *optional*): the CPU's feature flags (read from `/proc/cpuinfo` when not given).
-    """
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if device.type != "cpu":
-        return None
-    if cpu_flags is None:
-        try:
-            cpu_flags = next(
-                line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-            )
-        except (OSError, StopIteration):
-            return None
-    flags = set(cpu_flags.replace(":", " ").split())
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else None
 
 
 def _device(args) -> torch.device:

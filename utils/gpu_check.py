@@ -49,7 +49,7 @@ from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E40
 from transformers_lookahead.compatibility import compile_config  # noqa: E402
 from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
 from utils.faithfulness import greedy_margins, off_greedy_positions  # noqa: E402
-from utils.timing import ForwardTimer  # noqa: E402
+from utils.timing import ForwardTimer, provenance  # noqa: E402
 from utils.tiny_models import random_prompt, tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "command": " ".join(["python", "utils/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+        **provenance(),
     }
     print(json.dumps(environment), flush=True)
     started = time.perf_counter()

@@ -1,8 +1,9 @@
 """
-`make serve`: SmolLM2-135M-Instruct behind `transformers serve` on 127.0.0.1, decoding with lookahead.
+`make serve`: SmolLM2-135M-Instruct behind `transformers serve` on 127.0.0.1, decoding with lookahead, in the dtype
+`make bench` measures: bfloat16 where this machine computes it natively, else float32 (it says which).
 
     python utils/serving.py                   # writes the model folder once, then serves it on 127.0.0.1:8000
-    python utils/serving.py --port 8123 --window 7
+    python utils/serving.py --port 8123 --window 7 --dtype float32
 
 Also the server process the tests and `utils/benchmark.py --serve` start and stop (`ServeProcess`).
 """
@@ -167,9 +168,9 @@ class ServeProcess:
             pass
 
 
-def measure_step_costs_ahead(folder: Path) -> None:
+def measure_step_costs_ahead(folder: Path, dtype: str = "float32") -> None:
     """
-    Measures the step-cost table `"auto"` needs for the model in `folder` as the server will run it (float32, this
+    Measures the step-cost table `"auto"` needs for the model in `folder` as the server will run it (`dtype`, this
     machine's threads) and keeps it where the server reads it, so that no user's first request waits for it.
     """
     import torch
@@ -177,20 +178,39 @@ def measure_step_costs_ahead(folder: Path) -> None:
 
     from transformers_lookahead import LookaheadState
 
-    LookaheadState().cost_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    LookaheadState().cost_model(AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)))
+
+
+def serving_dtype(requested: str) -> str:
+    """`requested`, or for `"auto"` the dtype `make bench` picks: bfloat16 where the CPU computes it natively."""
+    import torch
+
+    from utils.timing import native_half_precision
+
+    if requested != "auto":
+        return requested
+    return native_half_precision(torch.device("cpu")) or "float32"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--window", default="auto", help='lookahead_window saved in the folder (an int or "auto")')
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto (default): bfloat16 where the CPU computes it natively, as `make bench`, else float32",
+    )
     args = parser.parse_args(argv)
     window = args.window if args.window == "auto" else int(args.window)
+    dtype = serving_dtype(args.dtype)
+    print(f"serving in {dtype}" + (" (this CPU's native half precision)" if dtype == "bfloat16" else ""), flush=True)
     folder = lookahead_folder(window)
     if window == "auto":
-        measure_step_costs_ahead(folder)
+        measure_step_costs_ahead(folder, dtype)
     command = [str(Path(sys.executable).with_name("transformers")), "serve", str(folder), "--trust-remote-code"]
-    command += ["--host", LOOPBACK, "--port", str(args.port), "--dtype", "float32"]
+    command += ["--host", LOOPBACK, "--port", str(args.port), "--dtype", dtype]
     print(" ".join(command), flush=True)
     os.execv(command[0], command)
 

@@ -2,10 +2,65 @@
 
 from __future__ import annotations
 
+import datetime
+import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+
+def provenance(root: Path | None = None) -> dict:
+    """
+    When, on which revision of this repository and on how many cores a result was measured, as every result file
+    records it (`utils/render_results.py` shows it beside the table). The revision ends in `+dirty` where the work
+    tree had uncommitted changes to tracked files, and is `None` outside a git checkout.
+
+    Args:
+        root (`Path`, *optional*): the checkout whose revision to record (this repository by default).
+    """
+    root = root or Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    revision = git("rev-parse", "--short=7", "HEAD")
+    if revision and git("status", "--porcelain", "--untracked-files=no"):
+        revision += "+dirty"
+    return {
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+        "revision": revision,
+        "cores": os.cpu_count(),
+    }
+
+
+def native_half_precision(device: torch.device, cpu_flags: str | None = None) -> str | None:
+    """
+    `"bfloat16"` (or `"float16"`) where `device` computes it natively, else `None`: a CPU without bf16 instructions
+    emulates it, slower than float32.
+
+    Args:
+        cpu_flags (`str`, *optional*): the CPU's feature flags (read from `/proc/cpuinfo` when not given).
+    """
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device.type != "cpu":
+        return None
+    if cpu_flags is None:
+        try:
+            cpu_flags = next(
+                line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+            )
+        except (OSError, StopIteration):
+            return None
+    flags = set(cpu_flags.replace(":", " ").split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else None
 
 
 @dataclass

@@ -2,7 +2,7 @@
 The tuned constants of `lookahead_window="auto"` in one place: what each one controls and where it came from.
 
 They were tuned on SmolLM2-135M-Instruct in fp32 on a 2-core CPU, on the tuning prompts (MT-Bench ids ending in 1-5,
-HumanEval/0-81); `docs/source/en/lookahead_decoding.md` has the measurements. None of them changes what is generated:
+HumanEval/0-81); `docs/source/en/results.md` has the measurements. None of them changes what is generated:
 only which candidates a step verifies, so only the speed.
 """
 
