@@ -1,5 +1,6 @@
 import io
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -9,9 +10,10 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+from parameterized import parameterized
 
 from transformers_lookahead import LookaheadState, enable_lookahead
-from transformers_lookahead.ngram_pool import TokenTree
+from transformers_lookahead.token_tree import TokenTree
 from utils import benchmark, cb_benchmark
 from utils.benchmark import (
     REFERENCE,
@@ -807,3 +809,110 @@ class ForwardTimerTest(unittest.TestCase):
         self.assertLessEqual(timer.seconds, seconds)
         timer.reset()
         self.assertEqual((timer.calls, timer.passes), (0, []))
+
+
+class PricedStepsTest(unittest.TestCase):
+    """`--price-with`: steps decided and counted here, priced by another device's cost table."""
+
+    def test_tables_by_name_file_and_gpu_check_report(self):
+        from utils.priced_steps import load_table
+
+        self.assertEqual(load_table("flat")[1](64), 1.0)
+        with tempfile.TemporaryDirectory() as folder:
+            curve = Path(folder, "curve.json")
+            curve.write_text(json.dumps({"relative_cost": {"1": 1.0, "8": 2.0}}))
+            name, table = load_table(str(curve))
+            self.assertEqual((name, table(8)), ("curve", 2.0))
+            report = Path(folder, "h200.json")
+            report.write_text(json.dumps({"checks": [{"check": "cost curve", "relative_cost": {"1": 1, "2": 1.07}}]}))
+            self.assertAlmostEqual(load_table(str(report))[1](2), 1.07)
+            empty = Path(folder, "empty.json")
+            empty.write_text(json.dumps({"checks": []}))
+            with self.assertRaisesRegex(ValueError, "holds no `relative_cost`"):
+                load_table(str(empty))
+        with self.assertRaisesRegex(ValueError, "--price-with takes `flat` or a JSON file"):
+            load_table("steep")
+
+    def test_priced_speedup_counts_each_pass_at_the_table_cost(self):
+        from utils.priced_steps import summarize_priced
+
+        def run(method, passes, seconds, forward):
+            return {
+                "prompt_id": "HumanEval/0",
+                "category": "humaneval",
+                "method": method,
+                "new_tokens": 9,
+                "pass_lengths": passes,
+                "seconds": seconds,
+                "forward_seconds": forward,
+                "identical_to_greedy": True,
+            }
+
+        # Greedy: 8 decoding passes of one token (the prompt's pass made the first). Lookahead: 4 passes of 8 tokens.
+        result = {
+            "tables": {"steep": {1: 1.0, 8: 1.5}},
+            "runs": [run("greedy", [1] * 8, 1.0, 0.9), run("lookahead_auto@steep", [8] * 4, 0.7, 0.6)],
+        }
+        rows = {row["method"]: row for row in summarize_priced(result, pass_ms=10.0)}
+        self.assertAlmostEqual(rows["lookahead_auto"]["priced_speedup"], 8 / (4 * 1.5))
+        self.assertAlmostEqual(rows["lookahead_auto"]["tokens_per_pass"], 9 / 5)
+        # Host time per pass measured here: 0.1 s over 5 passes.
+        self.assertAlmostEqual(rows["lookahead_auto"]["host_ms_per_pass"], 20.0)
+        greedy_time = 8 * (10.0 + 100 / 9)
+        self.assertAlmostEqual(rows["lookahead_auto"]["priced_speedup_with_host"], greedy_time / (6 * 10 + 4 * 20))
+
+    def test_price_with_is_refused_before_loading(self):
+        for argv, message in (
+            (["--price-with", "flat", "--dtype", "bfloat16"], "--price-with decodes in float32"),
+            (["--pass-ms", "5"], "--pass-ms takes the milliseconds"),
+            (["--price-with", "flat", "--pass-ms", "0"], "--pass-ms takes the milliseconds"),
+            (["--context-tokens", "0"], "--context-tokens takes a number of tokens above 0"),
+        ):
+            _assert_refused_before_loading(self, argv, message)
+
+    def test_auto_steps_follow_the_table_alone(self):
+        from utils.priced_steps import run_priced
+
+        model = enable_lookahead(tiny_model("llama"))
+        prompts = [("HumanEval/0", "humaneval", random_prompt(24, seed=3), 24)]
+        args = SimpleNamespace(price_with=["flat"], max_new_tokens=24, dtype="float32")
+        first, second = (run_priced(args, model, prompts)["runs"] for _ in range(2))
+        by_method = {run["method"]: run for run in first}
+        self.assertEqual(
+            set(by_method), {"greedy", "prompt_lookup", "lookahead_7_5_7", "lookahead_15_5_15", "lookahead_auto@flat"}
+        )
+        self.assertTrue(all(run["identical_to_greedy"] for run in first))
+        # A flat table: "auto" verifies long steps, the same ones in both runs whatever this machine's timings.
+        self.assertGreater(max(by_method["lookahead_auto@flat"]["pass_lengths"]), 8)
+        self.assertEqual(
+            [run["pass_lengths"] for run in first if "@" in run["method"]],
+            [run["pass_lengths"] for run in second if "@" in run["method"]],
+        )
+
+
+class MainWritesResultFilesTest(unittest.TestCase):
+    """`utils/benchmark.py` end to end on a tiny model: the files it writes, and that the results page renders them."""
+
+    @parameterized.expand(
+        [
+            ("generate", [], "benchmark.json"),
+            ("price-with", ["--price-with", "flat", "--pass-ms", "5"], "priced.json"),
+        ]
+    )
+    def test_result_file_renders(self, _, argv, written):
+        from utils.render_results import kind_of, render_page
+
+        model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
+        ids = random_prompt(16, seed=2)
+        with (
+            tempfile.TemporaryDirectory() as folder,
+            mock.patch.object(benchmark, "_load", return_value=(model, None, torch.device("cpu"))),
+            mock.patch.object(benchmark, "_prompts", return_value=[("HumanEval/0", "humaneval", ids, ids.shape[1])]),
+        ):
+            common = ["--dtype", "float32", "--num-prompts", "1", "--repeats", "1", "--max-new-tokens", "8"]
+            benchmark.main([*common, *argv, "--output-dir", folder])
+            result = json.loads(Path(folder, written).read_text())
+        self.assertEqual(result["environment"]["cores"], os.cpu_count())
+        self.assertIn("revision", result["environment"])
+        kind_of(written, result)
+        self.assertIn("HumanEval", render_page([(written, result)]))

@@ -8,8 +8,10 @@ from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadState, enable_lookahead
-from transformers_lookahead.compatibility import set_attention_implementation_unchecked
-from transformers_lookahead.cost_model import COST_GRID
+from transformers_lookahead.auto_tuning import AUTO_TUNING
+from transformers_lookahead.compatibility import compile_config, set_attention_implementation_unchecked
+from transformers_lookahead.cost_model import COST_GRID, StepCostModel
+from transformers_lookahead.lookahead_decoding import compiled_buckets
 from transformers_lookahead.step_policy import AdaptiveStepPolicy
 
 from .utils import (
@@ -393,3 +395,58 @@ class EstimateCarryOverTest(unittest.TestCase):
             again = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
         self.assertEqual(start_from.call_count, 1)
         self.assertTrue(torch.equal(again, sampled), "a seed must reproduce a sampled call whatever came before")
+
+
+# A flat table (every step costs one token's, as on an accelerator) and a curve like a CPU's with native bf16.
+FLAT_COSTS = {1: 1.0, 2: 1.0}
+RISING_COSTS = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.06, 16: 1.23, 32: 1.65}
+
+
+class CompiledBucketsTest(unittest.TestCase):
+    """A compiled step forward pass sees one shape per bucket and one for a single token, in every call."""
+
+    @parameterized.expand(
+        [
+            ("flat: one wide bucket", FLAT_COSTS, 57, 1),
+            ("rising: a few", RISING_COSTS, 57, 3),
+            ("steep: one small", {1: 1.0, 2: 1.67, 8: 1.67, 16: 1.99}, 57, 1),
+        ]
+    )
+    def test_buckets_follow_the_cost_curve(self, _, costs, longest, count):
+        table = StepCostModel(costs)
+        buckets = compiled_buckets(table, longest)
+        self.assertEqual(len(buckets), count, buckets)
+        self.assertEqual(list(buckets), sorted(buckets))
+        self.assertLessEqual(buckets[-1], longest)
+        self.assertLessEqual(table(buckets[-1]), AUTO_TUNING.compiled_step_cost)
+        for shorter, longer in zip(buckets, buckets[1:]):
+            self.assertGreaterEqual(table(longer), AUTO_TUNING.compiled_bucket_ratio * table(shorter))
+
+    @parameterized.expand([("flat", FLAT_COSTS), ("rising", RISING_COSTS)])
+    def test_no_recompilation_across_prompts_and_calls(self, _, costs):
+        import torch._dynamo
+
+        state = LookaheadState(cost_dir=None, step_costs=StepCostModel(costs), follow_durations=False)
+        model = enable_lookahead(tiny_model("llama"), state=state)
+        # fullgraph: a graph break inside the step forward fails the call. The eager backend traces and guards as
+        # inductor does, without generating code.
+        compiled = compile_config(backend="eager", mode="default", fullgraph=True)
+        # One cache shape for every prompt: room for the longest prompt, the new tokens and the widest step.
+        common = {"max_new_tokens": 40, "do_sample": False, "cache_implementation": "static", "max_cache_len": 512}
+        prompts = [random_prompt(length, seed=length) for length in (12, 20, 31)]
+        torch._dynamo.reset()
+        expected = [model.generate(prompt, **common, compile_config=compiled) for prompt in prompts]
+        torch._dynamo.utils.counters.clear()
+        steps = set()
+        for _ in range(2):
+            for prompt, plain in zip(prompts, expected):
+                out = model.generate(
+                    prompt, **common, compile_config=compiled, lookahead_window="auto", return_dict_in_generate=True
+                )
+                self.assertTrue(torch.equal(out.sequences, plain))
+                steps.update(out.accepted_per_step)
+        self.assertGreater(max(steps), 1, "multi-token steps must have run")
+        self.assertEqual(sum(torch._dynamo.utils.counters["recompiles"].values()), 0)
+        # Lookahead's own one-token step (its arguments differ from plain greedy's) and one graph per bucket.
+        buckets = compiled_buckets(StepCostModel(costs), 1024)
+        self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 1 + len(buckets))

@@ -4,6 +4,7 @@ import copy
 import pickle
 import tempfile
 import threading
+import time
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -12,7 +13,7 @@ import torch
 
 from transformers_lookahead import LookaheadConfig, LookaheadState, enable_lookahead
 from transformers_lookahead import generate as lookahead_generate
-from transformers_lookahead.cost_model import measure_step_costs
+from transformers_lookahead.cost_model import StepCostModel, measure_step_costs
 from transformers_lookahead.step_policy import PolicyEstimates
 
 from .utils import random_prompt, tiny_model
@@ -82,6 +83,47 @@ class LookaheadStateTest(unittest.TestCase):
         self.assertIs(enable_lookahead(model, state=mine).lookahead_state, mine)
         with self.assertRaisesRegex(TypeError, "`state` must be a `LookaheadState`"):
             enable_lookahead(model, state={})
+
+
+class FixedPricingTest(unittest.TestCase):
+    """A state given a cost table prices every step by it, and without `follow_durations` learns nothing from time."""
+
+    def test_a_given_table_is_used_without_measuring(self):
+        table = StepCostModel({1: 1.0, 2: 1.0})
+        with tempfile.TemporaryDirectory() as folder, _counting_measurements() as measure:
+            state = LookaheadState(cost_dir=folder, step_costs=table)
+            self.assertIs(state.cost_model(tiny_model("llama")), table)
+            self.assertEqual(measure.call_count, 0)
+            self.assertEqual(list(Path(folder).iterdir()), [])
+        self.assertIs(copy.deepcopy(state).step_costs, table)
+        self.assertFalse(pickle.loads(pickle.dumps(LookaheadState(follow_durations=False))).follow_durations)
+
+    def test_bad_settings_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "`follow_durations` must be True or False"):
+            LookaheadState(follow_durations="no")
+        with self.assertRaisesRegex(ValueError, "`step_costs` must be a `StepCostModel`"):
+            LookaheadState(step_costs={1: 1.0})
+
+    def test_steps_do_not_follow_durations_when_told_not_to(self):
+        # Passes slowed in proportion to their tokens: "auto" following durations learns that long steps cost more
+        # than its flat table says and shortens them; told not to follow them, it takes the steps of an unslowed run.
+        prompt = random_prompt(24, seed=4)
+
+        def steps(follow: bool, slow: bool) -> tuple[int, ...]:
+            state = LookaheadState(cost_dir=None, step_costs=StepCostModel({1: 1.0, 2: 1.0}), follow_durations=follow)
+            model = enable_lookahead(tiny_model("llama"), state=state)
+            if slow:
+                model.register_forward_pre_hook(
+                    lambda module, args, kwargs: time.sleep(0.004 * kwargs["input_ids"].shape[-1]), with_kwargs=True
+                )
+            out = model.generate(
+                prompt, max_new_tokens=40, do_sample=False, lookahead_window="auto", return_dict_in_generate=True
+            )
+            return tuple(out.accepted_per_step)
+
+        unslowed = steps(follow=False, slow=False)
+        self.assertEqual(steps(follow=False, slow=True), unslowed)
+        self.assertNotEqual(steps(follow=True, slow=True), unslowed)
 
 
 class ConcurrentCallsTest(unittest.TestCase):

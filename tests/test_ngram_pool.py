@@ -1,7 +1,8 @@
 import unittest
 
-from transformers_lookahead.ngram_pool import ContextIndex, NGramPool, TokenTree
+from transformers_lookahead.ngram_pool import ContextIndex, NGramPool
 from transformers_lookahead.suffix_memory import MemoryMatch
+from transformers_lookahead.token_tree import TokenTree
 
 
 class NGramPoolTest(unittest.TestCase):

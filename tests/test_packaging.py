@@ -21,6 +21,7 @@ STRATEGY_MODULES = {
     "continuous_batching",
     "cost_model",
     "generation_mixin",
+    "grouped_attention",
     "hub_generate",
     "lookahead_decoding",
     "lookahead_state",
@@ -31,6 +32,7 @@ STRATEGY_MODULES = {
     "step_forward",
     "step_layout",
     "step_policy",
+    "token_tree",
     "suffix_memory",
     "verification",
 }

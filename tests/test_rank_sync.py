@@ -9,10 +9,11 @@ from transformers import LogitsProcessorList
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.lookahead_decoding import SequenceState, SequenceText, StepPlan, step_fingerprint
 from transformers_lookahead.lookahead_window import LookaheadWindow
-from transformers_lookahead.ngram_pool import NGramPool, TokenTree
+from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.rank_sync import RankSync
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout
 from transformers_lookahead.step_policy import StaticStepPolicy
+from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import GreedyVerifier
 
 from .utils import tiny_model

@@ -14,7 +14,7 @@ from transformers_lookahead.cost_model import (
     default_cost_dir,
     measure_step_costs,
 )
-from transformers_lookahead.ngram_pool import NGramPool, TokenTree
+from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_policy import (
     AdaptiveStepPolicy,
     PolicyEstimates,
@@ -23,6 +23,7 @@ from transformers_lookahead.step_policy import (
     choose_window,
 )
 from transformers_lookahead.suffix_memory import MemoryMatch
+from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import Verdict
 
 from .utils import tiny_model

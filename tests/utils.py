@@ -16,7 +16,8 @@ import transformers
 from transformers_lookahead import LookaheadState
 from transformers_lookahead.cost_model import EngineStepCost, StepCostModel
 from transformers_lookahead.lookahead_decoding import LookaheadDecoder
-from transformers_lookahead.ngram_pool import NGramPool, TokenTree
+from transformers_lookahead.ngram_pool import NGramPool
+from transformers_lookahead.token_tree import TokenTree
 from utils.tiny_models import EAGER_ONLY, INIT_RANGE, TINY_CONFIGS, VOCAB, left_padded, random_prompt, tiny_model
 
 __all__ = ["EAGER_ONLY", "INIT_RANGE", "TINY_CONFIGS", "VOCAB", "left_padded", "random_prompt", "tiny_model"]

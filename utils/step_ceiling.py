@@ -24,12 +24,12 @@ from unittest import mock
 
 import torch
 
-from transformers_lookahead import configuration_lookahead, lookahead_decoding
+from transformers_lookahead import configuration_lookahead, enable_lookahead, lookahead_decoding
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.lookahead_state import LookaheadState
-from transformers_lookahead.ngram_pool import TokenTree
 from transformers_lookahead.step_policy import AdaptiveStepPolicy
+from transformers_lookahead.token_tree import TokenTree
 
 # Cost of a forward pass of T tokens relative to one token, bf16, 2 threads, on the development CPU with AVX512-BF16
 # (issue 19's measurement; 300-token context).
@@ -121,13 +121,19 @@ def run_ceiling(args, model, tokenizer, prompts) -> dict:
         raise ValueError(f"--ceiling-settings takes {list(CEILING_SETTING_NAMES)}, got {unknown}.")
     settings = {CEILING_SETTING_NAMES[short]: CEILING_SETTINGS[CEILING_SETTING_NAMES[short]] for short in chosen}
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    # Each setting priced by its fixed curve alone (no learning from measured durations), its estimates its own.
+    states = {
+        name: LookaheadState(cost_dir=None, step_costs=curve if pricing == "bf16" else FLAT, follow_durations=False)
+        for name, (pricing, _, _) in settings.items()
+    }
     results = []
     for prompt_id, category, ids, prompt_length in tqdm(prompts, desc="ceiling", unit="prompt"):
         reference = model.generate(ids, **common)[0, prompt_length:].tolist()
         runs = {}
-        for name, (pricing, kwargs, tuning) in settings.items():
+        for name, (_, kwargs, tuning) in settings.items():
             steps: list[StepRecord] = []
-            with _recorded(steps, curve if pricing == "bf16" else FLAT, tuning):
+            enable_lookahead(model, state=states[name])
+            with _recorded(steps, tuning):
                 out = model.generate(ids, **common, lookahead_window="auto", lookahead_memory=False, **kwargs)
             generated = out[0, prompt_length:].tolist()
             runs[name] = _summarize_steps(steps, generated, curve) | {"identical": generated == reference}
@@ -135,8 +141,8 @@ def run_ceiling(args, model, tokenizer, prompts) -> dict:
     return {"prompts": results, "settings": list(settings), "bf16_curve": dict(zip(curve.lengths, curve.costs))}
 
 
-def _recorded(steps: list[StepRecord], pricing: StepCostModel, tuning: dict) -> ExitStack:
-    """Prices steps with `pricing` (durations ignored), applies `tuning`, and records every step into `steps`."""
+def _recorded(steps: list[StepRecord], tuning: dict) -> ExitStack:
+    """Applies `tuning` and records every step into `steps`."""
     observe = AdaptiveStepPolicy.observe
 
     def recording(policy, choice, verdict, pool, key):
@@ -150,9 +156,6 @@ def _recorded(steps: list[StepRecord], pricing: StepCostModel, tuning: dict) -> 
     stack = ExitStack()
     tuned = replace(AUTO_TUNING, **tuning)
     stack.enter_context(mock.patch.object(AdaptiveStepPolicy, "observe", recording))
-    # Priced by the fixed curve alone: no learning from measured durations.
-    stack.enter_context(mock.patch.object(lookahead_decoding.LookaheadDecoder, "follows_durations", False))
-    stack.enter_context(mock.patch.object(LookaheadState, "cost_model", return_value=pricing))
     for module in (lookahead_decoding, configuration_lookahead):
         stack.enter_context(mock.patch.object(module, "AUTO_TUNING", tuned))
     return stack

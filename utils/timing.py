@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -36,8 +37,21 @@ def provenance(root: Path | None = None) -> dict:
     return {
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "revision": revision,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as `/proc/cpuinfo` gives it (the platform's processor name elsewhere)."""
+    try:
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def native_half_precision(device: torch.device, cpu_flags: str | None = None) -> str | None:

@@ -23,8 +23,12 @@ class AutoTuning:
         memory_nodes (`int`): the most tree nodes the suffix memory adds to one step.
         window_cost_budget (`float`): the window `"auto"` runs is the widest whose step, with one candidate path,
             costs at most this many times that step without the window.
-        compiled_step_cost (`float`): with a compiled forward pass (two step shapes), the fixed multi-token length
-            costs at most this many one-token steps. 2.0 (16 tokens on the CPU) lost on open-ended prompts.
+        compiled_step_cost (`float`): with a compiled forward pass, the longest step length it compiles costs at most
+            this many one-token steps. 2.0 (16 tokens on the CPU) lost on open-ended prompts.
+        compiled_buckets (`int`): the most multi-token step lengths a compiled forward pass compiles: every step is
+            padded to the shortest of them that holds it.
+        compiled_bucket_ratio (`float`): a shorter step length is compiled too only where the next longer one costs
+            at least this many times as much (on a flat cost curve, one length holds every step).
         decay (`float`): weight the acceptance estimates keep at each step.
         match_prior (`float`): the first estimate of how often a pooled candidate matches once its parent did.
         context_prior (`float`): the same for the copied context continuation.
@@ -53,6 +57,8 @@ class AutoTuning:
     memory_nodes: int = 32
     window_cost_budget: float = 1.25
     compiled_step_cost: float = 1.7
+    compiled_buckets: int = 3
+    compiled_bucket_ratio: float = 1.2
     decay: float = 0.9
     match_prior: float = 0.3
     context_prior: float = 0.5

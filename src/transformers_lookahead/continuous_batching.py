@@ -48,10 +48,11 @@ from .cost_model import EngineStepCost, StepCostModel, model_key
 from .lookahead_decoding import offer_candidates
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
-from .ngram_pool import ContextIndex, NGramPool, TokenTree
+from .ngram_pool import ContextIndex, NGramPool
 from .step_forward import max_positions
 from .step_layout import AttentionGroup, RowStep, StepLayout
 from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice, batch_step_length, choose_window
+from .token_tree import TokenTree
 from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, greedy_tokens
 
 if TYPE_CHECKING:

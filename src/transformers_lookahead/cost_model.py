@@ -18,9 +18,9 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.utils import logging
 
 from .compatibility import attention_implementation
-from .ngram_pool import TokenTree
 from .step_forward import StepForward, max_positions
 from .step_layout import StepInputs, StepLayout
+from .token_tree import TokenTree
 
 logger = logging.get_logger(__name__)
 

@@ -10,14 +10,14 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from .auto_tuning import AUTO_TUNING
+from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cache_commit import CacheCommitter
 from .compatibility import TokenStoppingCriteria, can_auto_compile, pad_token_id, prefill, processors_for_row
 from .configuration_lookahead import (
     LookaheadConfig,
     validate_lookahead_setup,
 )
-from .cost_model import COST_GRID
+from .cost_model import COST_GRID, StepCostModel
 from .lookahead_state import LookaheadState
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool
@@ -383,9 +383,9 @@ class LookaheadDecoder:
     def follows_durations(self) -> bool:
         """
         Whether the adaptive policy also learns from measured step durations (and times a one-token step for that).
-        Not on tensor-parallel ranks: their step times differ, and they must plan alike.
+        Not on tensor-parallel ranks: their step times differ, and they must plan alike; nor where the state says so.
         """
-        return self.sync is None
+        return self.sync is None and self.state.follow_durations
 
     def run(
         self,
@@ -414,7 +414,7 @@ class LookaheadDecoder:
                 self.sync.check(forward_passes, step_fingerprint(plans))
             if not plans:
                 break
-            step = layout.build(self.committer.cache, [plan.row for plan in plans], slot_valid, self.fixed_length)
+            step = layout.build(self.committer.cache, [plan.row for plan in plans], slot_valid, self._bucket(plans))
             started = time.perf_counter()
             logits = self.forward(step)
             forward_passes += 1
@@ -534,12 +534,13 @@ class LookaheadDecoder:
         room = self.committer.room()
         budget = None
         adapts = active[0].policy.adapts
-        if self.fixed_length is not None:
-            # A compiled forward pass knows two step shapes: one token, or `fixed_length` tokens.
-            if room < self.fixed_length:
+        if self.buckets is not None:
+            # A compiled forward pass knows a few step shapes: one token, and each bucket length that fits the cache.
+            fitting = tuple(length for length in self.buckets if room >= length)
+            if not fitting:
                 budget = 1
             elif adapts:
-                budget = batch_step_length(offers, active[0].policy.step_cost, (1, self.fixed_length))
+                budget = batch_step_length(offers, active[0].policy.step_cost, (1, *fitting))
         elif adapts and len(active) > 1:
             budget = batch_step_length(offers, active[0].policy.step_cost)
         plans = []
@@ -648,26 +649,26 @@ class LookaheadDecoder:
     def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:
         """
         Compiles the step forward pass where plain decoding would compile its own (a static cache on an accelerator,
-        or a `compile_config` that asks for it): multi-token steps are then padded to one length, so the compiled
-        function sees two shapes only, one token and `fixed_length` tokens.
+        or a `compile_config` that asks for it): multi-token steps are then padded to one of a few bucket lengths, so
+        the compiled function sees one shape per bucket and one for a single token, in every call.
         """
         model, generation_config = self.model, self.generation_config
-        self.fixed_length = None
+        self.buckets = None
         if not self.committer.is_static or not can_auto_compile(model, model_kwargs, generation_config):
             return
         self.forward.compile(generation_config.compile_config)
         longest = self.config.max_step_length(self.window_size)
-        if not self.config.adaptive:
-            self.fixed_length = longest
-            return
-        # Every multi-token step now costs the fixed length, whatever it verifies: take the widest step this device
-        # runs for at most `compiled_step_cost` one-token steps (on a GPU: about all of it; 8 tokens on a 2-core CPU).
-        affordable = [
-            length
-            for length in COST_GRID
-            if 4 <= length <= longest and self.cost(length) <= AUTO_TUNING.compiled_step_cost
-        ]
-        self.fixed_length = max(affordable, default=min(4, longest))
+        self.buckets = compiled_buckets(self.cost, longest) if self.config.adaptive else (longest,)
+
+    def _bucket(self, plans: list[StepPlan]) -> int | None:
+        """The length a compiled step is padded to: the shortest bucket that holds its longest row."""
+        if self.buckets is None:
+            return None
+        length = max(plan.row.length for plan in plans)
+        if length == 1:
+            return None
+        # Planning keeps steps within the buckets; a longer one fails in the layout rather than compiling anew.
+        return next((bucket for bucket in self.buckets if bucket >= length), self.buckets[-1])
 
     def _keep_running(
         self, running: list[SequenceState], batch: list[SequenceState], slot_valid: torch.BoolTensor
@@ -785,6 +786,31 @@ class LookaheadDecoder:
     def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
         if streamer is not None and kept:
             streamer.put(sequence.text.last(kept).cpu())
+
+
+def compiled_buckets(cost: StepCostModel, longest: int, tuning: AutoTuning = AUTO_TUNING) -> tuple[int, ...]:
+    """
+    The multi-token step lengths a compiled forward pass compiles, shortest first: the widest step this device runs
+    for at most `compiled_step_cost` one-token steps (on a GPU about all of it, a few tokens on a CPU), and below it
+    at most `compiled_buckets - 1` shorter lengths, each kept only where the next longer one costs at least
+    `compiled_bucket_ratio` times as much. A flat cost curve gives one bucket holding wide windows and many
+    candidates; a steep one, small buckets.
+
+    Args:
+        cost (`StepCostModel`): the device's step costs.
+        longest (`int`): the longest step the call's settings allow.
+        tuning (`AutoTuning`): the tuned constants.
+    """
+    affordable = [
+        length for length in COST_GRID if 4 <= length <= longest and cost(length) <= tuning.compiled_step_cost
+    ]
+    buckets = [max(affordable, default=min(4, longest))]
+    for length in sorted(affordable, reverse=True):
+        if len(buckets) == tuning.compiled_buckets:
+            break
+        if cost(buckets[-1]) >= tuning.compiled_bucket_ratio * cost(length):
+            buckets.append(length)
+    return tuple(sorted(buckets))
 
 
 def offer_candidates(

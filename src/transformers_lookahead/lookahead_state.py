@@ -54,13 +54,27 @@ class LookaheadState:
         memory_dir (`str` or `os.PathLike` or `None`, *optional*):
             Where suffix memories are read and written, one file per vocabulary and namespace. Defaults to
             `$TRANSFORMERS_LOOKAHEAD_MEMORY_DIR` if set, else `None`: memories live in this state only.
+        step_costs (`StepCostModel`, *optional*):
+            A cost table to price every step by, instead of measuring one: the table of another device, to see what
+            `"auto"` would do there, or a fixed table for steps that do not depend on this machine's timings.
+        follow_durations (`bool`, *optional*, defaults to `True`):
+            Whether `"auto"` also learns from the measured durations of its steps what its table under-prices. Off,
+            its steps depend only on the table and the text.
     """
 
     def __init__(
         self,
         cost_dir: str | os.PathLike | None | Any = _DEFAULT,
         memory_dir: str | os.PathLike | None | Any = _DEFAULT,
+        step_costs: StepCostModel | None = None,
+        follow_durations: bool = True,
     ):
+        if not isinstance(follow_durations, bool):
+            raise ValueError(f"`follow_durations` must be True or False, got {follow_durations!r}.")
+        if step_costs is not None and not isinstance(step_costs, StepCostModel):
+            raise ValueError(f"`step_costs` must be a `StepCostModel` or None, got {type(step_costs).__name__}.")
+        self.step_costs = step_costs
+        self.follow_durations = follow_durations
         self.cost_dir = default_cost_dir() if cost_dir is _DEFAULT else (None if cost_dir is None else Path(cost_dir))
         if memory_dir is _DEFAULT:
             memory_dir = os.environ.get(MEMORY_DIR_VARIABLE) or None
@@ -79,6 +93,8 @@ class LookaheadState:
             model (`PreTrainedModel`): the model this state belongs to.
             encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input.
         """
+        if self.step_costs is not None:
+            return self.step_costs
         key = model_key(model)
         # Held while measuring: a second thread would otherwise time its forward passes against the first's.
         with self._lock:
@@ -195,7 +211,7 @@ class LookaheadState:
         return self.memory_dir / f"{vocabulary.replace('/', '-')}.{namespace}.safetensors"
 
     def __deepcopy__(self, memo: dict) -> LookaheadState:
-        return LookaheadState(self.cost_dir, self.memory_dir)
+        return LookaheadState(*self.__reduce__()[1])
 
     def __reduce__(self):
-        return (LookaheadState, (self.cost_dir, self.memory_dir))
+        return (LookaheadState, (self.cost_dir, self.memory_dir, self.step_costs, self.follow_durations))

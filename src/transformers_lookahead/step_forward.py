@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache, EncoderDecoderCache
 
+from .grouped_attention import GROUPED_KV_FLAG, register_grouped_attention, takes_grouped_kv
 from .step_layout import StepInputs
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class StepForward:
         self.encoder_attention_mask = encoder_attention_mask
         self.cache_argument = cache_argument(model)
         self.slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # Marks the passes for the attention that takes grouped key/value heads with the step's mask, uncopied.
+        self.attention_marks = {}
+        if not self.is_encoder_decoder and takes_grouped_kv(model):
+            register_grouped_attention()
+            self.attention_marks = {GROUPED_KV_FLAG: True}
 
     def compile(self, compile_config: CompileConfig | None) -> None:
         """Runs the steps through the model's compiled forward (`PreTrainedModel.get_compiled_call`)."""
@@ -92,6 +98,7 @@ class StepForward:
             )
         else:
             kwargs.update(input_ids=step.input_ids, position_ids=step.position_ids, attention_mask=step.attention_mask)
+            kwargs.update(self.attention_marks)
         logits = self.call(**kwargs).logits
         return logits if self.slices_logits else logits[:, step.logits_rows]
 

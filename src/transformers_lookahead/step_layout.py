@@ -10,7 +10,7 @@ import torch
 from transformers import Cache
 
 from .compatibility import attention_implementation
-from .ngram_pool import TokenTree
+from .token_tree import TokenTree
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask

@@ -8,7 +8,8 @@ from typing import NamedTuple, Protocol
 
 from .auto_tuning import AUTO_TUNING
 from .cost_model import StepCostModel
-from .ngram_pool import NGramPool, TokenTree
+from .ngram_pool import NGramPool
+from .token_tree import TokenTree
 from .verification import Verdict
 
 # The step (1-based, after the prefill) a policy that has timed no one-token step yet makes one.

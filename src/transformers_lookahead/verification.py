@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
-from .ngram_pool import TokenTree
+from .token_tree import TokenTree
 
 # The bit pattern of +inf in each half-precision dtype: positive finite values are the patterns below it.
 _POSITIVE_INFINITY_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
