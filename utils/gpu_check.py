@@ -365,7 +365,7 @@ def check_compiled_comparison(report: Report, device: torch.device) -> None:
             before = counters["stats"]["unique_graphs"]
             model.generate(prompt, **common)  # warm-up: compiles and captures
             warmed = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
-            out, seconds = timer.generate(prompt, **common)
+            _, seconds = timer.generate(prompt, **common)
             passes = [elapsed for tokens, elapsed in timer.passes[1:]]
             report.add(
                 f"compared {shape_name} {method}",

@@ -45,6 +45,8 @@ METHODS = {
     "batched_greedy": "greedy in a batch of two",
 }
 SPLITS = {"humaneval": "HumanEval", "mt_bench (all)": "MT-Bench", "speech (whisper)": "speech"}
+# The methods a README headline run compares, on both splits.
+METHODS_COMPARED = ("greedy", "prompt_lookup", "lookahead_auto")
 # Flags that say where a run wrote its files, not what it measured.
 _OUTPUT_FLAG = re.compile(r" --output(?:-dir)? \S+")
 
@@ -543,9 +545,6 @@ def headline_rows(results: list[tuple[str, dict]]) -> list[dict]:
             }
         )
     return sorted(out, key=lambda row: (row["hardware"].startswith(("Intel", "AMD")), row["model"], row["dtype"]))
-
-
-METHODS_COMPARED = ("greedy", "prompt_lookup", "lookahead_auto")
 
 
 def render_readme_table(results: list[tuple[str, dict]]) -> str:

@@ -42,16 +42,18 @@ def provenance(root: Path | None = None) -> dict:
     }
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The value of a `/proc/cpuinfo` field for the first CPU, or `None` where there is no such file or field."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field)), None)
+
+
 def cpu_model() -> str:
     """The CPU's model name, as `/proc/cpuinfo` gives it (the platform's processor name elsewhere)."""
-    try:
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        return platform.processor()
+    return _cpuinfo("model name") or platform.processor()
 
 
 def native_half_precision(device: torch.device, cpu_flags: str | None = None) -> str | None:
@@ -66,13 +68,9 @@ def native_half_precision(device: torch.device, cpu_flags: str | None = None) ->
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     if device.type != "cpu":
         return None
+    cpu_flags = cpu_flags if cpu_flags is not None else _cpuinfo("flags")
     if cpu_flags is None:
-        try:
-            cpu_flags = next(
-                line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-            )
-        except (OSError, StopIteration):
-            return None
+        return None
     flags = set(cpu_flags.replace(":", " ").split())
     return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else None
 
