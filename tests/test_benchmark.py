@@ -51,6 +51,7 @@ from utils.faithfulness import (
     run_departures,
     summarize_departures,
 )
+from utils.host_time import step_host_times, summarize_host_time
 from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
 from utils.quality import (
     QUALITY_METHODS,
@@ -71,7 +72,7 @@ from utils.step_ceiling import (
 from utils.timing import ForwardTimer
 from utils.tiny_models import left_padded
 
-from .utils import flat_step_costs, random_prompt, tiny_model
+from .utils import flat_state, random_prompt, tiny_model
 
 
 def _run(method, prompt_id, category, seconds, passes, identical=True, repeat=0):
@@ -386,13 +387,12 @@ class DeparturesTest(unittest.TestCase):
         self.assertEqual([_step_offset(steps, position) for position in range(7)], [None, 0, 0, 1, 2, 0, 1])
 
     def test_nothing_departs_in_fp32_and_a_changed_method_does(self):
-        model = enable_lookahead(tiny_model("llama"))
+        model = enable_lookahead(tiny_model("llama"), flat_state())
         tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
         rows = [random_prompt(length, seed=seed) for seed, length in enumerate((9, 14, 6))]
         prompts = [(f"p{index}", "test", row, row.shape[1]) for index, row in enumerate(rows)]
         args = SimpleNamespace(max_new_tokens=20, dtype="float32")
-        with flat_step_costs():
-            result = run_departures(args, model, tokenizer, prompts)
+        result = run_departures(args, model, tokenizer, prompts)
         self.assertEqual(
             [row["departed"] for row in summarize_departures(result)], [0] * len(DEPARTURE_METHODS), result["prompts"]
         )
@@ -423,7 +423,7 @@ class DeparturesTest(unittest.TestCase):
         )
 
     def test_a_static_cache_runs_every_method_and_plain_greedy_with_it(self):
-        model = enable_lookahead(tiny_model("llama"))
+        model = enable_lookahead(tiny_model("llama"), flat_state())
         tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
         rows = [random_prompt(length, seed=seed) for seed, length in enumerate((9, 14))]
         prompts = [(f"p{index}", "test", row, row.shape[1]) for index, row in enumerate(rows)]
@@ -436,7 +436,7 @@ class DeparturesTest(unittest.TestCase):
             caches.append((kwargs.get("cache_implementation"), kwargs.get("max_cache_len", 0) - length))
             return generate(*args, **kwargs)
 
-        with flat_step_costs(), mock.patch.object(model, "generate", recording_generate):
+        with mock.patch.object(model, "generate", recording_generate):
             result = run_departures(args, model, tokenizer, prompts)
         # Plain greedy, the batch, every method: one cache size past each input, with room for prompt lookup's
         # candidates.
@@ -632,7 +632,7 @@ class QualityHarnessTest(unittest.TestCase):
 
 class ContinuousBatchingBenchmarkTest(unittest.TestCase):
     def test_closed_loop_on_a_tiny_model_and_its_summary(self):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
         tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
         prompts = [(f"p{i}", "x", random_prompt(6 + i, seed=i), 6 + i) for i in range(3)]
         args = SimpleNamespace(concurrency=[1, 2], repeats=1, max_new_tokens=12)
@@ -647,7 +647,7 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
             lambda *_: on_main_thread.append(threading.current_thread() is threading.main_thread())
         )
         self.addCleanup(hook.remove)
-        with flat_step_costs(), mock.patch.object(cb_benchmark, "_serve_closed_loop", counted_serve):
+        with mock.patch.object(cb_benchmark, "_serve_closed_loop", counted_serve):
             result = run_continuous_batching(args, model, tokenizer, prompts)
         self.assertEqual(len(result["runs"]), 2 * len(CB_ENGINES))
         for run in result["runs"]:
@@ -691,13 +691,13 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
         self.assertEqual(engine_config(tokenizer, 12, lookahead=False).lookahead_window, "off")
 
     def test_open_loop_sends_each_request_at_its_arrival(self):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
         tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
         prompts = [(f"p{i}", "x", random_prompt(6 + i, seed=i), 6 + i) for i in range(3)]
         args = SimpleNamespace(concurrency=[1], arrival_rate=[2.0], repeats=1, max_new_tokens=12)
         # The first two arrive together, the third later than either can take to finish (tens of ms here).
         arrivals = [0.0, 0.0, 0.5]
-        with flat_step_costs(), mock.patch.object(cb_benchmark, "arrival_times", return_value=arrivals) as drawn:
+        with mock.patch.object(cb_benchmark, "arrival_times", return_value=arrivals) as drawn:
             result = run_continuous_batching(args, model, tokenizer, prompts)
         drawn.assert_called_once_with(3, 2.0)
         self.assertEqual(len(result["runs"]), len(CB_ENGINES))
@@ -809,6 +809,27 @@ class ForwardTimerTest(unittest.TestCase):
         self.assertLessEqual(timer.seconds, seconds)
         timer.reset()
         self.assertEqual((timer.calls, timer.passes), (0, []))
+
+
+class HostTimeTest(unittest.TestCase):
+    def test_steps_cover_the_text_and_the_summary_splits_first_and_last_tokens(self):
+        model = enable_lookahead(tiny_model("llama"), flat_state())
+        runs = []
+        for method, settings in (("greedy", {}), ("lookahead_7_5_7", {"lookahead_window": 7})):
+            steps = step_host_times(model, random_prompt(20), 40, **settings)
+            # Each step but the last: tokens generated before it, host ms, pass ms, tokens it kept; the prefill gave
+            # the first token.
+            self.assertLess(sum(step[3] for step in steps) + 1, 40, method)
+            self.assertEqual(steps[0][0], 1)
+            self.assertEqual([step[0] for step in steps[1:]], [a[0] + a[3] for a in steps[:-1]])
+            self.assertTrue(all(step[1] >= 0 and step[2] > 0 for step in steps))
+            runs.append({"method": method, "steps": steps})
+        rows = {row["method"]: row for row in summarize_host_time(runs, 40, 10)}
+        self.assertEqual(rows["greedy"]["early_steps"], 9)  # tokens 1-9: the first came from the prefill
+        self.assertEqual((rows["greedy"]["early_kept"], rows["greedy"]["late_kept"]), (1, 1))
+        self.assertGreater(rows["lookahead_7_5_7"]["early_kept"] + rows["lookahead_7_5_7"]["late_kept"], 2)
+        for row in rows.values():
+            self.assertAlmostEqual(row["host_ratio"], row["late_host_ms"] / row["early_host_ms"])
 
 
 class PricedStepsTest(unittest.TestCase):

@@ -11,7 +11,7 @@ from transformers_lookahead.step_forward import cache_argument
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
 from utils.faithfulness import greedy_margins, off_greedy_positions
 
-from .utils import flat_step_costs, random_prompt, tiny_model
+from .utils import flat_state, random_prompt, tiny_model
 
 
 class CacheCommitTest(unittest.TestCase):
@@ -34,7 +34,7 @@ class CacheCommitTest(unittest.TestCase):
         pool.add(int(prompt[-1]), [7, 8, 9])
         tree = pool.tree(int(prompt[-1]), 3)
         layout = StepLayout(2, 3, attention_groups(cache, layer_types(model)), torch.float32, torch.device("cpu"))
-        step = layout.build(cache, [layout.row(prompt[-1:], 15, torch.arange(10, 16), tree)])
+        step = layout.build(cache, [layout.row(prompt[-1:].tolist(), 15, list(range(10, 16)), tree)])
         with torch.no_grad():
             model(
                 input_ids=step.input_ids,
@@ -174,7 +174,7 @@ class CompiledStepTest(unittest.TestCase):
 
         from transformers_lookahead import enable_lookahead
 
-        model = enable_lookahead(tiny_model("llama").to(dtype))
+        model = enable_lookahead(tiny_model("llama").to(dtype), flat_state())
         prompt = random_prompt(20, seed=6)
         common = {"max_new_tokens": 40, "do_sample": False, "cache_implementation": "static"}
         expected = model.generate(prompt, **common)
@@ -184,10 +184,9 @@ class CompiledStepTest(unittest.TestCase):
         torch._dynamo.utils.counters.clear()
         # With a flat cost table, as on an accelerator, "auto" takes full fixed-length steps wherever guesses exist,
         # whatever this machine's timings say.
-        with flat_step_costs():
-            out = model.generate(
-                prompt, compile_config=compile_config, lookahead_window=window, return_dict_in_generate=True, **common
-            )
+        out = model.generate(
+            prompt, compile_config=compile_config, lookahead_window=window, return_dict_in_generate=True, **common
+        )
         if dtype == torch.float32:
             self.assertTrue(torch.equal(out.sequences, expected))
         else:

@@ -19,6 +19,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
+from transformers_lookahead.compatibility import set_attention_implementation_unchecked
 from transformers_lookahead.continuous_batching import (
     LookaheadBatching,
     LookaheadContinuousBatchingManager,
@@ -30,7 +31,7 @@ from transformers_lookahead.cost_model import StepCostModel
 from utils.distribution_check import homogeneity_p_value
 
 from .test_verification import P_VALUE
-from .utils import SMALL_VOCABULARY, flat_step_costs, random_prompt, small_vocabulary_model, tiny_model
+from .utils import SMALL_VOCABULARY, flat_state, random_prompt, small_vocabulary_model, tiny_model
 
 LENGTHS = [3, 5, 9, 13, 20, 7]
 SHAPES = [{"lookahead_window": 4, "lookahead_ngram": 3}, {"lookahead_window": "auto"}]
@@ -78,7 +79,7 @@ class _ForwardCounter:
 class ContinuousBatchingExactnessTest(unittest.TestCase):
     @parameterized.expand([("llama",), ("qwen2",)])
     def test_identical_to_plain_generate_batch_in_fewer_passes(self, name):
-        model = enable_lookahead(tiny_model(name, "sdpa"))
+        model = enable_lookahead(tiny_model(name, "sdpa"), flat_state())
         counter = _ForwardCounter(model)
         self.addCleanup(counter.handle.remove)
         prompts = _prompts()
@@ -89,7 +90,7 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
         expected = model.generate(torch.tensor([prompts[0]]), max_new_tokens=40, do_sample=False)
         self.assertEqual(plain["req_0"].generated_tokens, expected[0, len(prompts[0]) :].tolist())
         for settings in SHAPES:
-            with self.subTest(**settings), flat_step_costs(), counter:
+            with self.subTest(**settings), counter:
                 out = model.generate_batch(
                     prompts, _config(**settings), continuous_batching_config=ENGINE, progress_bar=False
                 )
@@ -125,7 +126,7 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
         self.assertGreater(max(max(result.accepted_per_step) for result in out.values()), 1)
 
     def test_requests_joining_at_different_times_with_their_own_limits(self):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
         prompts = _prompts(7)
         limits = [40, 17, 33, 5, 40, 26, 12]
         expected = [
@@ -133,32 +134,30 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
             for prompt, limit in zip(prompts, limits)
         ]
         results = {}
-        with flat_step_costs():
-            manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
-            self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
-            manager.start()
-            try:
-                first = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:3], limits[:3])]
-                # The others join once the first requests are decoding.
-                _collect_results(self, manager, results, 1)
-                later = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[3:], limits[3:])]
-                _collect_results(self, manager, results, len(prompts))
-            finally:
-                manager.stop(block=True, timeout=10)
+        manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
+        self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
+        manager.start()
+        try:
+            first = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:3], limits[:3])]
+            # The others join once the first requests are decoding.
+            _collect_results(self, manager, results, 1)
+            later = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts[3:], limits[3:])]
+            _collect_results(self, manager, results, len(prompts))
+        finally:
+            manager.stop(block=True, timeout=10)
         for request_id, tokens in zip(first + later, expected):
             self.assertIsNone(results[request_id].error)
             self.assertEqual(results[request_id].generated_tokens, tokens, request_id)
 
     def test_a_request_stopping_inside_a_multi_token_step(self):
-        model = enable_lookahead(tiny_model("qwen2", "sdpa"))
+        model = enable_lookahead(tiny_model("qwen2", "sdpa"), flat_state())
         prompts = _prompts()
-        with flat_step_costs():
-            free = model.generate_batch(
-                prompts,
-                _config(lookahead_window=4, lookahead_ngram=3),
-                continuous_batching_config=ENGINE,
-                progress_bar=False,
-            )
+        free = model.generate_batch(
+            prompts,
+            _config(lookahead_window=4, lookahead_ngram=3),
+            continuous_batching_config=ENGINE,
+            progress_bar=False,
+        )
         # An EOS that falls inside a step that accepted several tokens, not at its last token, and not before.
         request_id, stop = None, None
         for candidate, result in free.items():
@@ -177,32 +176,30 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
         plain = model.generate_batch(
             prompts, _config(eos_token_id=eos), continuous_batching_config=ENGINE, progress_bar=False
         )
-        with flat_step_costs():
-            out = model.generate_batch(
-                prompts,
-                _config(eos_token_id=eos, lookahead_window=4, lookahead_ngram=3),
-                continuous_batching_config=ENGINE,
-                progress_bar=False,
-            )
+        out = model.generate_batch(
+            prompts,
+            _config(eos_token_id=eos, lookahead_window=4, lookahead_ngram=3),
+            continuous_batching_config=ENGINE,
+            progress_bar=False,
+        )
         self.assertEqual(len(plain[request_id].generated_tokens), stop + 1, "plain decoding stops at the EOS")
         for candidate in plain:
             self.assertEqual(out[candidate].generated_tokens, plain[candidate].generated_tokens, candidate)
 
     def test_streaming_sends_each_accepted_chunk(self):
         # With eager attention, which the engine runs as paged eager.
-        model = enable_lookahead(tiny_model("llama", "eager"))
+        model = enable_lookahead(tiny_model("llama", "eager"), flat_state())
         prompt = _prompts(5)[4]
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :]
-        with flat_step_costs():
-            manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
-            manager.start()
-            try:
-                request_id = manager.add_request(prompt, max_new_tokens=40, streaming=True)
-                sizes = []
-                for output in manager.request_id_iter(request_id):
-                    sizes.append(len(output.generated_tokens))
-            finally:
-                manager.stop(block=True, timeout=10)
+        manager = model.init_continuous_batching(_config(lookahead_window="auto"), ENGINE)
+        manager.start()
+        try:
+            request_id = manager.add_request(prompt, max_new_tokens=40, streaming=True)
+            sizes = []
+            for output in manager.request_id_iter(request_id):
+                sizes.append(len(output.generated_tokens))
+        finally:
+            manager.stop(block=True, timeout=10)
         self.assertEqual(sizes[-1], 40)
         steps = [later - earlier for earlier, later in zip([0] + sizes, sizes)]
         self.assertTrue(all(step >= 1 for step in steps))
@@ -245,22 +242,21 @@ class _SlowVerification:
 
 class ContinuousBatchingLoadTest(unittest.TestCase):
     def test_a_full_batch_takes_one_token_steps(self):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
         # The cost table and the engine's passes agree: past 8 query tokens, each token costs as much again.
-        steep = mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel(STEEP_AFTER_8))
+        steep = LookaheadState(cost_dir=None, memory_dir=None, step_costs=StepCostModel(STEEP_AFTER_8))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), steep)
         slow = _SlowPasses(model, fixed=0.004, per_token=0.004, free_tokens=8)
         self.addCleanup(slow.handle.remove)
         prompts = [random_prompt(8, seed=100 + i)[0].tolist() for i in range(16)]
-        with steep:
-            alone = model.generate_batch(
-                prompts[:1],
-                _config(24, lookahead_window="auto"),
-                continuous_batching_config=ENGINE,
-                progress_bar=False,
-            )
-            full = model.generate_batch(
-                prompts, _config(24, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
-            )
+        alone = model.generate_batch(
+            prompts[:1],
+            _config(24, lookahead_window="auto"),
+            continuous_batching_config=ENGINE,
+            progress_bar=False,
+        )
+        full = model.generate_batch(
+            prompts, _config(24, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
+        )
         slow.handle.remove()
         plain = model.generate_batch(prompts, _config(24), continuous_batching_config=ENGINE, progress_bar=False)
         self.assertGreater(max(alone["req_0"].accepted_per_step), 1, "a lone request verifies several tokens")
@@ -281,9 +277,9 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
         ]
     )
     def test_the_engine_prices_steps_by_its_own_steps(self, _, slowness, verifies_several, verification=0.0):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state(engine_fit=True))
         prompt = random_prompt(8, seed=7)[0].tolist()
-        with flat_step_costs(engine_fit=True), _SlowVerification(verification).patch:
+        with _SlowVerification(verification).patch:
             # The table says every step length costs one token: only the engine's own steps tell otherwise.
             slow = _SlowPasses(model, **slowness)
             self.addCleanup(slow.handle.remove)
@@ -306,23 +302,22 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
             self.assertLess(statistics.mean(learnt), 3)
 
     def test_a_new_engine_starts_from_the_last_engines_fit(self):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state(engine_fit=True))
         prompt = random_prompt(8, seed=7)[0].tolist()
         needed = AUTO_TUNING.engine_steps_needed
         queries = []
-        with flat_step_costs(engine_fit=True):
-            # The flat table says every step length costs one token; each query token costs 5 ms.
-            slow = _SlowPasses(model, per_token=0.005)
-            self.addCleanup(slow.handle.remove)
-            for _ in range(2):  # two `generate_batch` calls: two engines, one after the other
-                slow.queries = []
-                model.generate_batch(
-                    [prompt],
-                    _config(64, lookahead_window="auto"),
-                    continuous_batching_config=ENGINE,
-                    progress_bar=False,
-                )
-                queries.append(slow.queries)
+        # The flat table says every step length costs one token; each query token costs 5 ms.
+        slow = _SlowPasses(model, per_token=0.005)
+        self.addCleanup(slow.handle.remove)
+        for _ in range(2):  # two `generate_batch` calls: two engines, one after the other
+            slow.queries = []
+            model.generate_batch(
+                [prompt],
+                _config(64, lookahead_window="auto"),
+                continuous_batching_config=ENGINE,
+                progress_bar=False,
+            )
+            queries.append(slow.queries)
         first, second = queries
         # The first engine prices its first steps by the table (whole windows and trees); the second prices them by
         # the steps the first one timed, from its first decoding step on.
@@ -332,7 +327,7 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
 
 class ContinuousBatchingSamplingTest(unittest.TestCase):
     def test_distribution_equals_plain_continuous_batching_sampling(self):
-        model = enable_lookahead(small_vocabulary_model())
+        model = enable_lookahead(small_vocabulary_model(), flat_state())
         model.set_attn_implementation("sdpa")
         # A repetitive prompt: the pool and the context copy then propose candidates that often get accepted.
         prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
@@ -343,14 +338,13 @@ class ContinuousBatchingSamplingTest(unittest.TestCase):
                 max_new_tokens=new_tokens, do_sample=True, temperature=0.7, eos_token_id=-1, pad_token_id=0, **settings
             )
             torch.manual_seed(0)
-            with flat_step_costs():
-                # 16 pages: about a dozen requests decode at once, so their blocks fit the token budget.
-                out = model.generate_batch(
-                    [prompt] * runs,
-                    config,
-                    continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=512),
-                    progress_bar=False,
-                )
+            # 16 pages: about a dozen requests decode at once, so their blocks fit the token budget.
+            out = model.generate_batch(
+                [prompt] * runs,
+                config,
+                continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=512),
+                progress_bar=False,
+            )
             tokens = torch.tensor([result.generated_tokens for result in out.values()])
             counts[label] = torch.stack(
                 [torch.bincount(tokens[:, t], minlength=SMALL_VOCABULARY) for t in range(new_tokens)]
@@ -370,7 +364,7 @@ class PerRequestSettingsTest(unittest.TestCase):
     def test_a_request_is_verified_with_its_own_settings(self):
         # A sampling engine: a request with `top_k=1` (what the server sends for a greedy request) decodes plain
         # greedy's tokens, beside a request that samples with its own temperature.
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
         prompts = _prompts(3)
         expected = [
             model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :].tolist()
@@ -378,16 +372,15 @@ class PerRequestSettingsTest(unittest.TestCase):
         ]
         engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, per_request_processors=True)
         config = _config(do_sample=True, temperature=0.7, top_k=50, lookahead_window=4, lookahead_ngram=3)
-        with flat_step_costs():
-            manager = model.init_continuous_batching(config, engine)
-            self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
-            manager.start()
-            try:
-                greedy = [manager.add_request(prompt, max_new_tokens=40, top_k=1) for prompt in prompts[:2]]
-                manager.add_request(prompts[2], max_new_tokens=40, temperature=0.4)
-                results = _collect_results(self, manager, {}, len(prompts))
-            finally:
-                manager.stop(block=True, timeout=10)
+        manager = model.init_continuous_batching(config, engine)
+        self.assertIsInstance(manager, LookaheadContinuousBatchingManager)
+        manager.start()
+        try:
+            greedy = [manager.add_request(prompt, max_new_tokens=40, top_k=1) for prompt in prompts[:2]]
+            manager.add_request(prompts[2], max_new_tokens=40, temperature=0.4)
+            results = _collect_results(self, manager, {}, len(prompts))
+        finally:
+            manager.stop(block=True, timeout=10)
         for request_id, tokens in zip(greedy, expected):
             self.assertIsNone(results[request_id].error)
             self.assertEqual(results[request_id].generated_tokens, tokens, request_id)
@@ -475,7 +468,7 @@ class ContinuousBatchingSetupTest(unittest.TestCase):
 
     def test_refuses_a_backend_without_masks(self):
         model = enable_lookahead(tiny_model("llama", "sdpa"))
-        model.config._attn_implementation = "flash_attention_2"
+        set_attention_implementation_unchecked(model, "flash_attention_2")
         with self.assertRaises(ValueError) as raised:
             model.init_continuous_batching(_config(lookahead_window=4), ENGINE)
         self.assertIn("attn_implementation='sdpa'", str(raised.exception))
@@ -485,26 +478,25 @@ class ContinuousBatchingSetupTest(unittest.TestCase):
 
     def test_engine_time_is_not_spent_on_requests_that_left(self):
         # A cancelled request's lookahead is dropped at the next step.
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
-        with flat_step_costs():
-            manager = model.init_continuous_batching(_config(200, lookahead_window="auto"), ENGINE)
-            manager.start()
-            try:
-                request_id = manager.add_request(_prompts(1)[0], max_new_tokens=200, streaming=True)
-                for output in manager.request_id_iter(request_id):
-                    if len(output.generated_tokens) > 5:
-                        break
-                manager.cancel_request(request_id)
-                kept = manager.add_request(_prompts(2)[1], max_new_tokens=10)
-                while (result := manager.get_result(timeout=30)) is not None and result.request_id != kept:
-                    pass
-                self.assertIsNotNone(result)
-                deadline = time.time() + 10
-                while request_id in manager.batch_processor.lookahead.requests and time.time() < deadline:
-                    time.sleep(0.05)
-                self.assertNotIn(request_id, manager.batch_processor.lookahead.requests)
-            finally:
-                manager.stop(block=True, timeout=10)
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
+        manager = model.init_continuous_batching(_config(200, lookahead_window="auto"), ENGINE)
+        manager.start()
+        try:
+            request_id = manager.add_request(_prompts(1)[0], max_new_tokens=200, streaming=True)
+            for output in manager.request_id_iter(request_id):
+                if len(output.generated_tokens) > 5:
+                    break
+            manager.cancel_request(request_id)
+            kept = manager.add_request(_prompts(2)[1], max_new_tokens=10)
+            while (result := manager.get_result(timeout=30)) is not None and result.request_id != kept:
+                pass
+            self.assertIsNotNone(result)
+            deadline = time.time() + 10
+            while request_id in manager.batch_processor.lookahead.requests and time.time() < deadline:
+                time.sleep(0.05)
+            self.assertNotIn(request_id, manager.batch_processor.lookahead.requests)
+        finally:
+            manager.stop(block=True, timeout=10)
 
 
 class ProposedServingHookTest(unittest.TestCase):

@@ -18,7 +18,7 @@ from .test_batched_decoding import mixed_prompts
 from .test_encoder_decoder import count_decoder_calls, whisper_features
 from .test_model_registry import registry_model
 from .test_verification import P_VALUE
-from .utils import SMALL_VOCABULARY, flat_step_costs, small_vocabulary_model, tiny_model
+from .utils import SMALL_VOCABULARY, flat_state, small_vocabulary_model, tiny_model
 
 NEW_TOKENS = 30
 # One setting per processor `GenerationMixin._get_logits_processor` builds outside sampling (3 is the EOS where one is
@@ -58,7 +58,7 @@ WARPERS = [
 class BatchedProcessorsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.model = enable_lookahead(tiny_model("llama"))
+        cls.model = enable_lookahead(tiny_model("llama"), flat_state())
         cls.inputs = left_padded(mixed_prompts(3))
 
     @parameterized.expand(PROCESSORS)
@@ -69,7 +69,7 @@ class BatchedProcessorsTest(unittest.TestCase):
             warnings.simplefilter("ignore")
             expected = self.model.generate(**common)
             for window in (4, "auto"):
-                with self.subTest(window=window), flat_step_costs():
+                with self.subTest(window=window):
                     out = self.model.generate(**common, lookahead_window=window, return_dict_in_generate=True)
                     self.assertTrue(torch.equal(out.sequences, expected))
                     multi_token = any(max(row, default=1) > 1 for row in out.accepted_per_step)
@@ -113,7 +113,7 @@ class BatchedWarpersTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.model = enable_lookahead(small_vocabulary_model())
+        cls.model = enable_lookahead(small_vocabulary_model(), flat_state())
         cls.inputs = left_padded([torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]), torch.tensor([[6, 7, 6, 7, 6]])])
 
     def _samples(self, settings: dict, lookahead: dict) -> tuple[torch.Tensor, int]:
@@ -138,8 +138,7 @@ class BatchedWarpersTest(unittest.TestCase):
         torch.manual_seed(0)
         plain, _ = self._samples(settings, {})
         # "auto" priced as on an accelerator verifies candidates in every step, whatever this CPU's timings.
-        with flat_step_costs():
-            looked, multi_token = self._samples(settings, {"lookahead_window": "auto"})
+        looked, multi_token = self._samples(settings, {"lookahead_window": "auto"})
         self.assertGreater(multi_token, self.RUNS // 20, "the test must exercise multi-token acceptance")
         for prompt in range(2):
             rows = slice(prompt * self.COPIES, (prompt + 1) * self.COPIES)

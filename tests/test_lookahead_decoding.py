@@ -17,8 +17,9 @@ from transformers_lookahead.step_policy import AdaptiveStepPolicy
 from .utils import (
     EAGER_ONLY,
     TINY_CONFIGS,
+    HostReadCounter,
     decoding_loop_default_device,
-    flat_step_costs,
+    flat_state,
     left_padded,
     random_prompt,
     tiny_model,
@@ -132,7 +133,7 @@ class ModelDeviceTest(unittest.TestCase):
 
     @parameterized.expand([(4, "dynamic"), ("auto", "dynamic"), (4, "static"), ("auto", "static")])
     def test_greedy_with_another_default_device(self, window, cache):
-        model = enable_lookahead(tiny_model("qwen3"))
+        model = enable_lookahead(tiny_model("qwen3"), flat_state())
         # A left-padded batch where the cache takes one (a static cache takes one row per call).
         inputs = {"input_ids": random_prompt(24, seed=1)}
         if cache == "dynamic":
@@ -140,7 +141,7 @@ class ModelDeviceTest(unittest.TestCase):
         kwargs = {"max_new_tokens": 30, "cache_implementation": cache}
         expected = model.generate(**inputs, do_sample=False, **kwargs)
         # "auto" plans with a flat table: on a tiny model what it verifies would depend on this machine's timings.
-        with decoding_loop_default_device("meta"), flat_step_costs():
+        with decoding_loop_default_device("meta"):
             out = _lookahead(model, None, **inputs, lookahead_window=window, **kwargs)
         self.assertTrue(torch.equal(out.sequences, expected))
         self.assertLess(out.num_forward_passes, 30, "the test text must let lookahead accept something")
@@ -450,3 +451,57 @@ class CompiledBucketsTest(unittest.TestCase):
         # Lookahead's own one-token step (its arguments differ from plain greedy's) and one graph per bucket.
         buckets = compiled_buckets(StepCostModel(costs), 1024)
         self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 1 + len(buckets))
+
+
+class KeepingStreamer(BaseStreamer):
+    """Keeps what it is given without reading it: the values a streamer reads are its own business."""
+
+    def __init__(self):
+        self.values = []
+
+    def put(self, value):
+        self.values.append(value)
+
+    def end(self):
+        pass
+
+
+class HostTransfersTest(unittest.TestCase):
+    """
+    A greedy step reads the device once: the model's choices at the rows it kept, after its forward pass. Nothing
+    else of the step (planning, layout, cache commit, the window, the cache's length, stopping) waits for the device.
+    """
+
+    FIXED = {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7}
+
+    @parameterized.expand(
+        [
+            ("one sequence", FIXED, 1),
+            ("auto", {"lookahead_window": "auto"}, 1),
+            ("batch", FIXED, 2),
+            ("static cache", {**FIXED, "cache_implementation": "static"}, 1),
+            ("eos and streamer", {**FIXED, "eos_token_id": 5, "streamer": "yes"}, 1),
+        ]
+    )
+    def test_one_read_per_step(self, _, settings, batch):
+        state = LookaheadState(cost_dir=None, step_costs=StepCostModel(FLAT_COSTS), follow_durations=False)
+        model = enable_lookahead(tiny_model("llama"), state=state)
+        prompts = [random_prompt(30 + 10 * row, seed=row) for row in range(batch)]
+        inputs = left_padded(prompts) if batch > 1 else {"input_ids": prompts[0]}
+        if settings.get("streamer"):
+            settings = {**settings, "streamer": KeepingStreamer()}
+        for method in ("greedy", "lookahead"):
+            kwargs = settings if method == "lookahead" else {}
+            with self.subTest(method), HostReadCounter(model) as counter:
+                out = model.generate(
+                    **inputs, max_new_tokens=40, do_sample=False, return_dict_in_generate=True, **kwargs
+                )
+            # Segment 1 follows the prefill (the first token, the prompt's ids, the static cache's length); the
+            # last one also builds the outputs.
+            steps = counter.segments[2:-1]
+            if method == "lookahead":
+                accepted = out.accepted_per_step
+                self.assertGreater(max(sum(accepted, ()) if batch > 1 else accepted), 1, "multi-token steps must run")
+            self.assertGreater(len(steps), 10)
+            self.assertEqual([len(reads) for reads in steps if len(reads) != 1], [], [r for r in steps if len(r) != 1])
+            self.assertLessEqual(len(counter.segments[-1]), 2, counter.segments[-1])

@@ -1,5 +1,6 @@
 """What the package ships: the generation strategy, and nothing from the tooling around it."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ STRATEGY_MODULES = {
     "model_folder",
     "ngram_pool",
     "rank_sync",
+    "sequence_lookahead",
     "step_forward",
     "step_layout",
     "step_policy",
@@ -89,3 +91,52 @@ class PublicApiTest(unittest.TestCase):
             source = (Path(transformers_lookahead.__file__).parent / f"{module}.py").read_text()
             for tooling in ("import argparse", "import subprocess", "import matplotlib", "pip download"):
                 self.assertNotIn(tooling, source, f"{module}.py")
+
+
+def package_imports(directory: Path) -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports (`from .x import ...`, anywhere in it)."""
+    graph = {}
+    for path in sorted(directory.glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported.update([node.module.split(".")[0]] if node.module else [alias.name for alias in node.names])
+        graph[path.stem] = imported
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` (its modules in order, the first repeated at the end), or `None` if it has none."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((cycle for cycle in map(visit, sorted(graph)) if cycle), None)
+
+
+class ImportGraphTest(unittest.TestCase):
+    def test_no_cycle_and_neither_loop_imports_the_other(self):
+        graph = package_imports(Path(transformers_lookahead.__file__).parent)
+        self.assertEqual(set(graph), STRATEGY_MODULES)
+        self.assertIsNone(import_cycle(graph))
+        # `generate`'s loop and continuous batching share the step core (`sequence_lookahead`), not each other.
+        self.assertNotIn("continuous_batching", graph["lookahead_decoding"])
+        self.assertNotIn("lookahead_decoding", graph["continuous_batching"])
+        for loop in ("lookahead_decoding", "continuous_batching"):
+            self.assertIn("sequence_lookahead", graph[loop])
+
+    def test_a_cycle_is_found(self):
+        self.assertEqual(import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}), ["a", "b", "c", "a"])
+        self.assertIsNone(import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}))

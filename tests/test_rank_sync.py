@@ -48,16 +48,16 @@ class StepFingerprintTest(unittest.TestCase):
         layout = StepLayout(2, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
         text = SequenceText(torch.tensor([[5, 6, 7]]), [5, 6, 7], 20)
         policy = StaticStepPolicy(4)
-        window = LookaheadWindow(2, 2, torch.tensor(text.tokens))
+        window = LookaheadWindow(2, 2, text.tokens)
         sequence = SequenceState(
             0, text, 20, NGramPool(2, 2), window, policy, None, GreedyVerifier(LogitsProcessorList())
         )
-        row = layout.row(torch.tensor([7]), 2, window_tokens, TokenTree())
+        row = layout.row([7], 2, window_tokens, TokenTree())
         return [StepPlan(sequence, policy.plan(policy.offer(TokenTree(), True, 1)), row)]
 
     def test_same_step_same_fingerprint_other_tokens_other_fingerprint(self):
-        first = step_fingerprint(self._plans(torch.tensor([1, 2, 3, 4])))
-        self.assertEqual(first, step_fingerprint(self._plans(torch.tensor([1, 2, 3, 4]))))
-        self.assertNotEqual(first, step_fingerprint(self._plans(torch.tensor([1, 2, 3, 9]))))
+        first = step_fingerprint(self._plans([1, 2, 3, 4]))
+        self.assertEqual(first, step_fingerprint(self._plans([1, 2, 3, 4])))
+        self.assertNotEqual(first, step_fingerprint(self._plans([1, 2, 3, 9])))
         self.assertNotEqual(first, step_fingerprint(self._plans(None)))
         self.assertEqual(step_fingerprint([]), 0)

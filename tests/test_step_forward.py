@@ -21,7 +21,7 @@ class StepForwardTest(unittest.TestCase):
             full = model(input_ids=prompt).logits[0]
             model(input_ids=prompt[:, :-3], cache=cache, use_cache=True)
             layout = StepLayout.for_model(model, forward.decoder_cache, 2, 2)
-            step = layout.build(cache, [layout.row(prompt[0, -3:], 11, None, pool_tree(0, [], 1))])
+            step = layout.build(cache, [layout.row(prompt[0, -3:].tolist(), 11, None, pool_tree(0, [], 1))])
             logits = forward(step)
         self.assertEqual(tuple(logits.shape), (1, 1, model.config.vocab_size))
         torch.testing.assert_close(logits[0, 0], full[-1], rtol=1e-4, atol=1e-4)

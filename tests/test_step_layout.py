@@ -14,9 +14,9 @@ class StepLayoutTest(unittest.TestCase):
         # W=2, N=3 (2 levels), a tree 7 -> {8 -> 9, 5}
         layout = StepLayout(2, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
         cache = DynamicCache()
-        window = torch.tensor([20, 21, 30, 31])
+        window = [20, 21, 30, 31]
         tree = pool_tree(4, [[7, 8], [7, 9], [5, 6]], 2)
-        step = layout.build(cache, [layout.row(torch.tensor([4]), 10, window, tree)])
+        step = layout.build(cache, [layout.row([4], 10, window, tree)])
         self.assertEqual(step.input_ids[0, :5].tolist(), [4, 20, 21, 30, 31])
         # cur at p, L[l][i] at p + 1 + l + i, tree nodes at p + depth
         self.assertEqual(step.position_ids[0, :5].tolist(), [10, 11, 12, 12, 13])
@@ -43,10 +43,10 @@ class StepLayoutTest(unittest.TestCase):
         model, prompt, cache = _prefilled(name)
         cache.activate_past_recording()
         layout = StepLayout(3, 2, attention_groups(cache, layer_types(model)), torch.float32, torch.device("cpu"))
-        window = torch.tensor([10, 11, 12, 13, 14, 15])
+        window = [10, 11, 12, 13, 14, 15]
         tree = pool_tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
         position = prompt.shape[0] - 1
-        step = layout.build(cache, [layout.row(prompt[-1:], position, window, tree)])
+        step = layout.build(cache, [layout.row(prompt[-1:].tolist(), position, window, tree)])
         with torch.no_grad():
             logits = model(
                 input_ids=step.input_ids,
@@ -93,12 +93,12 @@ class FlexAttentionMaskTest(unittest.TestCase):
 
         model, prompt, cache = _prefilled(name)
         groups = attention_groups(cache, layer_types(model))
-        window = torch.tensor([10, 11, 12, 13, 14, 15])
+        window = [10, 11, 12, 13, 14, 15]
         tree = pool_tree(int(prompt[-1]), [[40, 41], [40, 42], [50, 51]], 2)
         steps = {}
         for mask_format in ("additive", "block"):
             layout = StepLayout(3, 2, groups, torch.float32, torch.device("cpu"), mask_format)
-            steps[mask_format] = layout.build(cache, [layout.row(prompt[-1:], 19, window, tree)])
+            steps[mask_format] = layout.build(cache, [layout.row(prompt[-1:].tolist(), 19, window, tree)])
         additive, block = steps["additive"].attention_mask, steps["block"].attention_mask
         if not isinstance(additive, dict):
             additive, block = {"all": additive}, {"all": block}
@@ -118,5 +118,5 @@ class FlexAttentionMaskTest(unittest.TestCase):
 
         model = tiny_model("llama", "flex_attention")
         layout = StepLayout.for_model(model, DynamicCache(config=model.config), 3, 2)
-        step = layout.build(DynamicCache(), [layout.row(torch.tensor([4, 5]), 1, None, pool_tree(5, [[6]], 1))])
+        step = layout.build(DynamicCache(), [layout.row([4, 5], 1, None, pool_tree(5, [[6]], 1))])
         self.assertIsInstance(step.attention_mask, BlockMask)

@@ -13,7 +13,7 @@ from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.suffix_memory import MEMORY_FORMAT, SuffixMemory, vocabulary_key
 
-from .utils import VOCAB, flat_step_costs, random_prompt, tiny_model
+from .utils import VOCAB, flat_state, random_prompt, tiny_model
 
 VOCABULARY = f"llama/{VOCAB}"
 # Without the memory a step accepts at most the context's continuation plus one token (the pool's n-grams are
@@ -120,15 +120,12 @@ class MemoryInGenerateTest(unittest.TestCase):
     """The memory inside `generate`: what it proposes pays off, and it never changes the output."""
 
     def setUp(self):
-        self.model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None, memory_dir=None))
+        self.model = enable_lookahead(tiny_model("llama"), flat_state())
         self.prompt = random_prompt(24, seed=3)
 
     def _generate(self, prompt=None, **kwargs):
         kwargs = {"max_new_tokens": 40, "do_sample": False, "lookahead_window": "auto", **kwargs}
-        with flat_step_costs():
-            return self.model.generate(
-                self.prompt if prompt is None else prompt, return_dict_in_generate=True, **kwargs
-            )
+        return self.model.generate(self.prompt if prompt is None else prompt, return_dict_in_generate=True, **kwargs)
 
     def _longest_step(self, output) -> int:
         steps = output.accepted_per_step
@@ -195,12 +192,12 @@ class MemoryInGenerateTest(unittest.TestCase):
 
     def test_memory_dir_keeps_it_across_processes(self):
         with tempfile.TemporaryDirectory() as tmp:
-            self.model.lookahead_state = LookaheadState(cost_dir=None, memory_dir=tmp)
+            self.model.lookahead_state = flat_state(memory_dir=tmp)
             self._generate()
             (path,) = Path(tmp).glob("*.safetensors")
             self.assertEqual(path.name, f"{vocabulary_key(self.model).replace('/', '-')}.default.safetensors")
             # A new state, as a restarted server has: the first call already answers from the file.
-            self.model.lookahead_state = LookaheadState(cost_dir=None, memory_dir=tmp)
+            self.model.lookahead_state = flat_state(memory_dir=tmp)
             restarted = self._generate()
             self.assertGreater(self._longest_step(restarted), LONGEST_STEP_WITHOUT_MEMORY)
 
@@ -208,7 +205,7 @@ class MemoryInGenerateTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / f"{vocabulary_key(self.model).replace('/', '-')}.default.safetensors"
             path.write_bytes(b"\x00" * 64)
-            self.model.lookahead_state = LookaheadState(cost_dir=None, memory_dir=tmp)
+            self.model.lookahead_state = flat_state(memory_dir=tmp)
             with self.assertRaisesRegex(ValueError, "Cannot load the lookahead memory file .*default.safetensors"):
                 self._generate()
             self.assertEqual(path.read_bytes(), b"\x00" * 64, "the file is left for its owner")
@@ -244,11 +241,10 @@ class MemoryInGenerateTest(unittest.TestCase):
                 if not torch.equal(output, expected[index]):
                     failures.append(index)
 
-        with flat_step_costs():
-            threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=300)
+        threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
         self.assertEqual(failures, [])
         self.assertEqual(self.model.lookahead_state.memory(self.model).num_documents, 8)

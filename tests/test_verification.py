@@ -5,17 +5,18 @@ import torch
 from parameterized import parameterized
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from transformers_lookahead import LookaheadState, enable_lookahead
+from transformers_lookahead import enable_lookahead
 from transformers_lookahead.verification import (
     GreedyVerifier,
     PositionNoise,
     SamplingVerifier,
     _half_precision_argmax,
     greedy_tokens,
+    read_choices,
 )
 from utils.distribution_check import chi_square_p_value, homogeneity_p_value
 
-from .utils import SMALL_VOCABULARY, flat_step_costs, pool_tree, small_vocabulary_model
+from .utils import SMALL_VOCABULARY, flat_state, pool_tree, small_vocabulary_model
 
 # Two-sample and goodness-of-fit tests below reject at this p-value; with the handful of tests run, a false alarm
 # is expected about once in ten thousand runs of the suite.
@@ -65,9 +66,11 @@ class GreedyTokensTest(unittest.TestCase):
         self.assertTrue(torch.equal(greedy_tokens(logits), expected))
         self.assertTrue(torch.equal(greedy_tokens(logits[2]), expected[2]))
         self.assertTrue(torch.equal(greedy_tokens(logits[None]), expected[None]))
+        self.assertEqual(read_choices(logits[None]), expected[None].tolist())
+        self.assertEqual(read_choices(logits[2]), int(expected[2]))
         if dtype != torch.float32:
             # The bit-pattern route answered, not the float32 fallback.
-            self.assertTrue(torch.equal(_half_precision_argmax(logits), expected))
+            self.assertEqual(_half_precision_argmax(logits).tolist(), expected.tolist())
 
     @parameterized.expand([("bfloat16", torch.bfloat16, 0x7F80), ("float16", torch.float16, 0x7C00)])
     def test_rows_the_bit_patterns_would_misorder_fall_back(self, _, dtype, infinity):
@@ -131,7 +134,7 @@ class LookaheadSamplingDistributionTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.model = enable_lookahead(small_vocabulary_model(), LookaheadState(cost_dir=None, memory_dir=None))
+        cls.model = enable_lookahead(small_vocabulary_model(), flat_state())
         # A repetitive prompt: the pool and the context copy then propose candidates that often get accepted.
         cls.prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
 
@@ -152,21 +155,20 @@ class LookaheadSamplingDistributionTest(unittest.TestCase):
         counts = {label: torch.zeros(new_tokens, SMALL_VOCABULARY) for label in ("plain", "lookahead")}
         accepted_more_than_one = 0
         # A flat cost table: "auto" verifies what it is offered, whatever this machine's timings.
-        with flat_step_costs():
-            for _ in range(runs):
-                for label, extra in (("plain", {}), ("lookahead", lookahead)):
-                    out = self.model.generate(
-                        self.prompt,
-                        do_sample=True,
-                        max_new_tokens=new_tokens,
-                        return_dict_in_generate=True,
-                        **warpers,
-                        **extra,
-                    )
-                    generated = out.sequences[0, self.prompt.shape[1] :]
-                    counts[label][torch.arange(new_tokens), generated] += 1
-                    if label == "lookahead":
-                        accepted_more_than_one += any(a > 1 for a in out.accepted_per_step)
+        for _ in range(runs):
+            for label, extra in (("plain", {}), ("lookahead", lookahead)):
+                out = self.model.generate(
+                    self.prompt,
+                    do_sample=True,
+                    max_new_tokens=new_tokens,
+                    return_dict_in_generate=True,
+                    **warpers,
+                    **extra,
+                )
+                generated = out.sequences[0, self.prompt.shape[1] :]
+                counts[label][torch.arange(new_tokens), generated] += 1
+                if label == "lookahead":
+                    accepted_more_than_one += any(a > 1 for a in out.accepted_per_step)
         self.assertGreater(accepted_more_than_one, runs // 20, "the test must exercise multi-token acceptance")
         for position in range(new_tokens):
             with self.subTest(position=position):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from unittest import mock
 
@@ -14,8 +15,7 @@ import torch
 import transformers
 
 from transformers_lookahead import LookaheadState
-from transformers_lookahead.cost_model import EngineStepCost, StepCostModel
-from transformers_lookahead.lookahead_decoding import LookaheadDecoder
+from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.token_tree import TokenTree
 from utils.tiny_models import EAGER_ONLY, INIT_RANGE, TINY_CONFIGS, VOCAB, left_padded, random_prompt, tiny_model
@@ -54,28 +54,22 @@ def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree
     return pool.tree(key, depth)
 
 
-@contextmanager
-def flat_step_costs(engine_fit: bool = False):
+def flat_state(engine_fit: bool = False, memory_dir: str | None = None) -> LookaheadState:
     """
-    Makes `"auto"` plan with a flat cost table (every step length costs one token, as on an accelerator) instead of
-    this machine's measured one, and learn nothing from step durations, so its steps do not depend on the timings of
-    a shared CPU.
+    A state (`enable_lookahead(model, flat_state())`) whose `"auto"` plans with a flat cost table (every step length
+    costs one token, as on an accelerator) instead of this machine's measured one, and learns nothing from step
+    durations, so that its steps do not depend on the timings of a shared CPU. Cost tables stay in memory.
 
     Args:
         engine_fit (`bool`): whether a continuous-batching engine still prices its steps by the ones it timed
-            (`EngineStepCost`) once it has timed enough of them. Off, it keeps to the flat table: on a tiny model
-            the host's work outweighs the forward pass, and on a starved CPU the fit then priced every step of
-            several tokens out.
+            (`EngineStepCost`) once it has timed enough of them (and `generate` learns from step durations). Off,
+            it keeps to the flat table: on a tiny model the host's work outweighs the forward pass, and on a starved
+            CPU the fit then priced every step of several tokens out.
+        memory_dir (`str`, *optional*): where the suffix memory is kept (in memory only by default).
     """
-    with (
-        mock.patch.object(LookaheadState, "cost_model", return_value=StepCostModel({1: 1.0, 64: 1.0})),
-        mock.patch.object(LookaheadDecoder, "follows_durations", False),
-    ):
-        if engine_fit:
-            yield
-        else:
-            with mock.patch.object(EngineStepCost, "for_batch", return_value=None):
-                yield
+    return LookaheadState(
+        cost_dir=None, memory_dir=memory_dir, step_costs=StepCostModel({1: 1.0, 64: 1.0}), follow_durations=engine_fit
+    )
 
 
 def stream_chat(client, model: str, prompt: str, max_tokens: int, body: dict | None = None) -> tuple[str, list[float]]:
@@ -167,3 +161,75 @@ def decoding_loop_default_device(device: str):
         mock.patch.object(transformers.StaticCache, "__init__", on_cpu(transformers.StaticCache.__init__)),
     ):
         yield
+
+
+# Tensor methods that hand a tensor's values to Python (on an accelerator each waits for the device and copies), and
+# functions whose output size depends on values (on an accelerator they wait for the device too).
+HOST_READS = {
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.nonzero,
+    torch.Tensor.unique,
+    torch.Tensor.masked_select,
+    torch.nonzero,
+    torch.unique,
+    torch.masked_select,
+    torch.equal,
+}
+# Factories that read a tensor argument as a Python number.
+NUMBER_ARGUMENTS = {torch.arange, torch.full, torch.zeros, torch.ones, torch.empty, torch.tensor}
+
+
+class HostReadCounter(torch.overrides.TorchFunctionMode):
+    """
+    Counts the reads of tensor values into Python made outside `model`'s forward passes, between passes:
+    `segments[i]` lists the reads after pass `i` (segment 0: before the first pass), each as the name of the call
+    and the place in the package's code that made it.
+
+    On the CPU nothing is transferred, but every such read is where an accelerator would wait for the device and
+    copy to the host; the counter sees them on any device.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.segments: list[list[str]] = [[]]
+        self._inside = 0
+        self._hooks = (
+            model.register_forward_pre_hook(lambda *_: self._enter()),
+            model.register_forward_hook(lambda *_: self._leave()),
+        )
+
+    def _enter(self) -> None:
+        self._inside += 1
+
+    def _leave(self) -> None:
+        self._inside -= 1
+        if not self._inside:
+            self.segments.append([])
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads = func in HOST_READS or (
+            func in NUMBER_ARGUMENTS and any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values()))
+        )
+        if reads and not self._inside:
+            caller = next(
+                (
+                    f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                    for frame in reversed(traceback.extract_stack())
+                    if "transformers_lookahead" in frame.filename
+                ),
+                "outside the package",
+            )
+            self.segments[-1].append(f"{getattr(func, '__name__', func)} at {caller}")
+        return func(*args, **kwargs)

@@ -237,6 +237,8 @@ def _whisper_from_ctranslate2(weights: dict, settings: dict, tokenizer):
     import torch
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
+    from transformers_lookahead.compatibility import mark_as_user_config
+
     def layers(side: str) -> int:
         indices = [re.match(rf"{side}/layer_(\d+)/", name) for name in weights]
         return 1 + max(int(match.group(1)) for match in indices if match)
@@ -314,7 +316,7 @@ def _whisper_from_ctranslate2(weights: dict, settings: dict, tokenizer):
     generation.max_initial_timestamp_index = 50
     generation.max_length = config.max_target_positions
     # Loading drops the Whisper-specific fields of a config flagged as derived from the model config.
-    generation._from_model_config = False
+    mark_as_user_config(generation)
     return model.eval()
 
 

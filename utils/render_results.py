@@ -307,6 +307,30 @@ def _priced_table(result: dict) -> list[str]:
     return _table(header, rows)
 
 
+def _host_time_table(result: dict) -> list[str]:
+    window = result["host_time"][0]["window"] if result["host_time"] else 0
+    rows = [
+        [
+            _method(r["method"]),
+            f"{r['early_steps']} / {r['late_steps']}",
+            f"{_f(r['early_kept'])} / {_f(r['late_kept'])}",
+            _f(r["early_host_ms"]),
+            _f(r["late_host_ms"]),
+            _x(r["host_ratio"]),
+            f"{r['matched_kept']}: {_f(r['matched_early_host_ms'])} / {_f(r['matched_late_host_ms'])}"
+            if "matched_kept" in r
+            else "-",
+            _x(r.get("matched_ratio")),
+            f"{_f(r['early_pass_ms'], 1)} / {_f(r['late_pass_ms'], 1)}",
+        ]
+        for r in result["host_time"]
+    ]
+    header = ["method", "steps (first / last)", "tokens kept per step (first / last)"]
+    header += [f"host ms, first {window} tokens", f"host ms, last {window} tokens", "last / first"]
+    header += ["steps keeping as many: kept, host ms first / last", "last / first", "pass ms (first / last)"]
+    return _table(header, rows)
+
+
 def _gpu_check_table(result: dict) -> list[str]:
     rows = [
         [r["check"], r["status"], _f(r.get("tokens_per_forward")) if "tokens_per_forward" in r else "-"]
@@ -405,6 +429,15 @@ KINDS = [
         "HumanEval tuning prompt. Counts do not depend on the machine's speed.",
         lambda r: "operators" in r,
         _operators_table,
+    ),
+    Kind(
+        "Host time per step as the text grows",
+        "`utils/host_time.py`: the time from a step's forward pass's end to the next pass's start (verifying, "
+        "committing and learning from the step, planning and laying out the next), median over the steps in the "
+        "first and in the last tokens of long texts (end-of-sequence ignored), methods interleaved per prompt; and "
+        "the same between steps that kept as many tokens (a step that keeps more verifies, appends and moves more).",
+        lambda r: "host_time" in r,
+        _host_time_table,
     ),
     Kind(
         "Accelerator checks",

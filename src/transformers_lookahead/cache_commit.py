@@ -11,6 +11,7 @@ from .compatibility import (
     StaticLayer,
     can_roll_back,
     layer_step_start,
+    length_on_device,
 )
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 
@@ -31,6 +32,8 @@ class CacheCommitter:
     Sliding-window layers keep their full recent states until the crop (`activate_past_recording`), so both ways
     work for them too. Static layers (`StaticCache`) are written in place: the step lands right after the tokens
     they hold, `crop` moves their length back and the next step overwrites what was dropped; nothing is reallocated.
+    Their length lives on the device, so the committer keeps it on the host (`seq_length`): read once at `start`,
+    then moved by what each commit keeps, so that no step waits for the device to learn it.
 
     In a batch every sequence keeps its own tokens; the cache grows by the most any sequence kept (see `commit`).
     Dynamic sliding-window layers are kept compact instead: each sequence's tokens are the last ones of its row, as
@@ -63,19 +66,38 @@ class CacheCommitter:
         self.cache = cache
         self.strategy = strategy
         self.is_static = any(isinstance(layer, StaticLayer) for layer in cache.layers)
+        self._device_length: int | None = None
+
+    def seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens layer `layer_idx` holds, as `Cache.get_seq_length` says, without reading the device."""
+        layer = self.cache.layers[layer_idx]
+        if self._device_length is not None and length_on_device(layer):
+            return self._device_length
+        return self.cache.get_seq_length(layer_idx)
 
     def room(self) -> int | None:
         """How many tokens the next step may feed: what the static buffers have left, `None` for dynamic caches."""
         if not self.is_static:
             return None
         return min(
-            layer.max_cache_len - layer.get_seq_length()
-            for layer in self.cache.layers
+            layer.max_cache_len - self.seq_length(index)
+            for index, layer in enumerate(self.cache.layers)
             if isinstance(layer, StaticLayer)
         )
 
     def start(self) -> None:
-        """Called once after the prefill: from here on, sliding layers keep the states a crop may need."""
+        """
+        Called once after the prefill: from here on, sliding layers keep the states a crop may need, and the length
+        of static layers is kept on the host (the one time it is read from the device).
+        """
+        lengths = {
+            int(layer.get_seq_length())
+            for layer in self.cache.layers
+            if length_on_device(layer) and layer.is_initialized
+        }
+        if len(lengths) > 1:
+            raise RuntimeError(f"The static cache's full-attention layers hold different lengths: {sorted(lengths)}.")
+        self._device_length = lengths.pop() if lengths else None
         if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.cache.layers):
             self.cache.activate_past_recording()
 
@@ -104,7 +126,8 @@ class CacheCommitter:
         for layer in self.cache.layers:
             if not layer.is_initialized:
                 continue
-            start = layer_step_start(layer, step_length)
+            # The step was written right after what the layer held before it.
+            start = self._device_length if length_on_device(layer) else layer_step_start(layer, step_length)
             if isinstance(layer, DynamicSlidingWindowLayer) and uneven:
                 # Rows kept different counts: right-align each row (filler, the row as it was, then what it kept).
                 # With even counts the plain moves below already leave every row right-aligned, without copying
@@ -118,4 +141,6 @@ class CacheCommitter:
                 moves.apply(layer, start)
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
         self.cache.crop(-(step_length - added))
+        if self._device_length is not None:
+            self._device_length += added
         return added

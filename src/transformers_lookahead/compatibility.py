@@ -104,11 +104,22 @@ def compile_config(**kwargs: Any) -> CompileConfig:
 
 
 def layer_step_start(layer: CacheLayerMixin, step_length: int) -> int:
-    """Where a step of `step_length` tokens begins in the layer's tensors (`keys`, `values`) after its forward."""
+    """
+    Where a step of `step_length` tokens begins in the layer's tensors (`keys`, `values`) after its forward. Not for
+    layers whose length is a device tensor (`length_on_device`): their caller knows it on the host.
+    """
     if isinstance(layer, StaticLayer):
         # Static buffers: the step was written right after the tokens already held.
         return layer.get_seq_length() - step_length
     return layer.keys.shape[-2] - step_length
+
+
+def length_on_device(layer: CacheLayerMixin) -> bool:
+    """
+    Whether the layer's `get_seq_length()` is a tensor on its device (full-attention static layers keep their length
+    there for compiled steps): reading it waits for the device, so a decoding loop tracks it on the host instead.
+    """
+    return type(layer) is StaticLayer
 
 
 class EntryMoves:

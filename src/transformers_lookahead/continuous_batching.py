@@ -42,18 +42,16 @@ from transformers.generation.continuous_batching.requests import (
 )
 
 from .auto_tuning import AUTO_TUNING
-from .compatibility import processors_for_row
+from .compatibility import attention_implementation, processors_for_row
 from .configuration_lookahead import LookaheadConfig
 from .cost_model import EngineStepCost, StepCostModel, model_key
-from .lookahead_decoding import offer_candidates
 from .lookahead_state import LookaheadState
-from .lookahead_window import LookaheadWindow
-from .ngram_pool import ContextIndex, NGramPool
+from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
 from .step_forward import max_positions
 from .step_layout import AttentionGroup, RowStep, StepLayout
-from .step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice, batch_step_length, choose_window
+from .step_policy import StepChoice, batch_step_length, choose_window
 from .token_tree import TokenTree
-from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, greedy_tokens
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, read_choices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -89,58 +87,18 @@ class LookaheadGenerationOutput(GenerationOutput):
 
 
 @dataclass
-class RequestLookahead:
-    """
-    One request's lookahead: its text, n-gram pool, window, step policy, context index and verifier. It has what
-    `offer_candidates` reads of a sequence (`tokens`, `length`, `limit`, `position`, `pending`, `pool`, `window`,
-    `context`, `policy`).
-
-    Args:
-        tokens (`list[int]`): the prompt, then every token accepted so far.
-        limit (`int`): the longest the text may grow (prompt + `max_new_tokens`).
-        pool (`NGramPool`): its candidate n-grams.
-        window (`LookaheadWindow`, *optional*): its Jacobi window (drawn once the prefill gave the first token).
-        policy (`StaticStepPolicy` or `AdaptiveStepPolicy`): what goes into each of its steps.
-        context (`ContextIndex`, *optional*): where its text repeats itself.
-        verifier (`GreedyVerifier`): how its candidates are checked (greedy or sampling).
-        accepted (`list[int]`): the tokens each of its steps accepted.
-    """
-
-    tokens: list[int]
-    limit: int
-    pool: NGramPool
-    window: LookaheadWindow | None
-    policy: StaticStepPolicy | AdaptiveStepPolicy
-    context: ContextIndex | None
-    verifier: GreedyVerifier
-    accepted: list[int] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens) - 1
-
-    @property
-    def pending(self) -> torch.LongTensor:
-        return torch.tensor(self.tokens[-1:], device="cpu")
-
-
-@dataclass
 class RequestStep:
     """
     One decoding request's part of a step.
 
     Args:
-        lookahead (`RequestLookahead`): the request's lookahead.
+        lookahead (`SequenceLookahead`): the request's lookahead.
         choice (`StepChoice`): what its policy chose.
         row (`RowStep`): its tokens, positions and visibility in the step.
         past (`int`): the tokens of the request in its pages before the step (its pending token's position).
     """
 
-    lookahead: RequestLookahead
+    lookahead: SequenceLookahead
     choice: StepChoice
     row: RowStep
     past: int
@@ -195,7 +153,7 @@ class LookaheadBatching:
         # Keyed as the model runs in the engine (paged attention): steps of another dtype or thread count, or of
         # the model's own backend, would price these wrongly.
         self.engine_key = model_key(model)
-        if cost is not None:
+        if cost is not None and state.follow_durations:
             self.engine_cost = EngineStepCost(
                 cost,
                 AUTO_TUNING.engine_steps_kept,
@@ -211,13 +169,15 @@ class LookaheadBatching:
         self.memory: SuffixMemory | None = None
         if config.memory:
             self.memory = state.memory(model, config.memory_namespace, config.memory_size)
+        self.factory = LookaheadFactory(config, self.window_size, self.do_sample, state.recall, self.memory)
         # Only `row` is used: Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
         self.layout = StepLayout(
             self.window_size, config.levels, AttentionGroup(0, None), model.dtype, torch.device("cpu")
         )
-        self.requests: dict[str, RequestLookahead] = {}
+        self.requests: dict[str, SequenceLookahead] = {}
         self.steps: dict[str, RequestStep] = {}
         self.logits: torch.Tensor | None = None
+        self.choices: list[int] = []
         self.logits_rows: dict[str, tuple[int, int]] = {}
         self.moves: list[tuple[str, int, int, int, list[int]]] = []
         self._batch_size = 0
@@ -227,6 +187,7 @@ class LookaheadBatching:
         self.steps.clear()
         self.moves.clear()
         self.logits = None
+        self.choices = []
 
     # Planning, before the scheduler.
 
@@ -253,9 +214,7 @@ class LookaheadBatching:
             return
         lookaheads = [self.requests[request_id] for request_id, _ in decoding]
         self._use_batch_cost(len(decoding))
-        offers = [
-            offer_candidates(lookahead, self.config, self.max_positions, self.memory) for lookahead in lookaheads
-        ]
+        offers = [offer_candidates(lookahead, self.factory.sources, self.max_positions) for lookahead in lookaheads]
         share = SHARE_WHILE_REQUESTS_WAIT if requests_wait else 1.0
         longest = max(1, int(self.max_batch_tokens * share) // len(decoding))
         budget = None
@@ -278,7 +237,7 @@ class LookaheadBatching:
                 row = self.layout.row(lookahead.pending, lookahead.position, None, choice.tree)
             room -= row.length
             self.steps[request_id] = RequestStep(lookahead, choice, row, state.position_offset)
-            state.tokens_to_process = row.input_ids.tolist()
+            state.tokens_to_process = list(row.tokens)
 
     def _use_batch_cost(self, batch_size: int) -> None:
         """A step of T tokens per request costs what `batch_size x T` tokens cost: each policy plans with that."""
@@ -332,8 +291,8 @@ class LookaheadBatching:
                 for name, mask in io.attention_mask.items():
                     key_start = key_starts[name][index] + step.past
                     mask[0, 0, start:end, key_start : key_start + row.length] = hidden.to(mask)
-            self.logits_rows[request_id] = (len(rows), row.logits_rows.shape[0])
-            rows.extend((start + row.logits_rows).tolist())
+            self.logits_rows[request_id] = (len(rows), len(row.logits_rows))
+            rows.extend(start + index for index in row.logits_rows)
             verified += 1
         self.step_shape = (starts[-1], max(keys[-1] for keys in key_starts.values()), verified)
         return torch.tensor(rows, dtype=torch.long, device=io.input_ids.device)
@@ -347,7 +306,7 @@ class LookaheadBatching:
 
     # Settling, after the forward pass.
 
-    def settle(self, state: RequestState, return_logprobs: bool) -> tuple[RequestLookahead, RequestStep | None, bool]:
+    def settle(self, state: RequestState, return_logprobs: bool) -> tuple[SequenceLookahead, RequestStep | None, bool]:
         """
         Verifies one request's part of the step and appends what it accepted. The moves of its accepted entries into
         place are collected for `commit`.
@@ -360,32 +319,39 @@ class LookaheadBatching:
             `tuple`: the request's lookahead, its step (`None` right after its prefill), and whether it finished.
         """
         request_id = state.request_id
-        lookahead = self.requests.get(request_id) or self._start(state)
+        lookahead = self.requests.get(request_id)
         step = self.steps.get(request_id)
+        if lookahead is None:
+            # Right after its prefill: its lookahead is built from its prompt and this first token, as in `generate`.
+            tokens = list(state.initial_tokens) + list(state.generated_tokens)
+            remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
+            limit, verifier = len(tokens) + remaining, self._verifier(state)
+        else:
+            tokens, limit, verifier = lookahead.tokens, lookahead.limit, lookahead.verifier
         first, count = self.logits_rows[request_id]
-        logits = self.logits[first : first + count]
+        logits, choices = self.logits[first : first + count], self.choices[first : first + count]
         verified = step is not None and step.row.length > 1
         tree, tree_row = (step.choice.tree, step.row.tree_row) if verified else (TokenTree(), 1)
-        input_ids = torch.tensor([lookahead.tokens], device="cpu") if lookahead.verifier.logits_processor else None
-        verdict = lookahead.verifier.verify(logits, tree, tree_row, input_ids, lookahead.limit - lookahead.length)
+        input_ids = torch.tensor([tokens], device="cpu") if verifier.logits_processor else None
+        verdict = verifier.verify(logits, tree, tree_row, input_ids, limit - len(tokens), choices)
         kept, finished = 0, False
         for token, scores in zip(verdict.tokens, verdict.scores):
             kept += 1
             logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if return_logprobs else None
-            lookahead.tokens.append(token)
+            tokens.append(token)
             finished = state.update_and_check_completion(token, logprob)
             if finished:
                 break
-        if step is not None:
-            lookahead.accepted.append(kept)
-            self._learn(step, verdict, kept, logits)
-        elif lookahead.window is None:
-            # Drawn from the prompt and its first token, as `generate` draws a sequence's window.
-            lookahead.window = LookaheadWindow(
-                self.window_size, self.config.levels, torch.tensor(lookahead.tokens, device="cpu")
-            )
-        if self.config.pool_from_prompt:
-            lookahead.pool.add_sequence(lookahead.tokens, first_key=len(lookahead.tokens) - kept - self.config.levels)
+        if lookahead is None:
+            lookahead = self.factory.build(tokens, limit, verifier, self._policy_cost())
+            self.requests[request_id] = lookahead
+        elif step is not None:
+            learn_from_step(lookahead, step.choice, step.row, verdict, kept, choices, self.config)
+        else:
+            # A plain one-token step (the scheduler left its block out): the text moved on, nothing was verified.
+            lookahead.pending = tokens[-1:]
+            if self.config.pool_from_prompt:
+                lookahead.pool.add_sequence(tokens, first_key=len(tokens) - kept - self.config.levels)
         if verified and not finished:
             self.moves.append((request_id, step.past, step.row.length, step.row.tree_start, verdict.nodes[: kept - 1]))
             state.position_offset = step.past + kept
@@ -400,53 +366,17 @@ class LookaheadBatching:
             release_pages_past(cache, request_id, past + 1 + len(nodes))
         self.moves = []
 
-    def _learn(self, step: RequestStep, verdict: Verdict, kept: int, logits: torch.Tensor) -> None:
-        """Moves one request's policy and window past the step."""
-        lookahead = step.lookahead
-        key = lookahead.tokens[-kept - 1]
-        lookahead.policy.observe(step.choice, verdict, lookahead.pool, key)
-        if step.row.window_used:
-            for ngram in lookahead.window.update(greedy_tokens(step.row.window_top(logits))):
-                lookahead.pool.add(ngram[0], ngram[1:], from_window=True)
-
-    def _start(self, state: RequestState) -> RequestLookahead:
-        """The lookahead of a request whose prefill just ended, seeded from its prompt (and earlier output)."""
-        config = self.config
-        tokens = list(state.initial_tokens) + list(state.generated_tokens)
-        remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
-        pool = NGramPool(config.levels, config.guess)
-        if config.pool_from_prompt:
-            pool.add_sequence(tokens)
-        context = None
-        if config.adaptive:
-            policy = AdaptiveStepPolicy(
-                self.cost.for_batch(max(self._batch_size, 1)),
-                self.window_size * config.levels,
-                config.levels,
-                context_depth=AUTO_TUNING.context_depth,
-                memory_match=self.memory.max_match if self.memory is not None else 0,
-                memory_depth=AUTO_TUNING.memory_depth,
-            )
-            learnt = self.state.recall(self._estimates_key(policy))
-            if learnt is not None:
-                policy.start_from(learnt)
-            context = ContextIndex() if config.pool_from_prompt else None
-        else:
-            policy = StaticStepPolicy(self.window_size * config.levels)
+    def _verifier(self, state: RequestState) -> GreedyVerifier:
+        """How a request's tokens are checked: with its own processors, greedy or sampling."""
         processors = processors_for_row(request_processors(self.logits_processor, state.logit_processor_kwargs), 0, 1)
-        verifier = GreedyVerifier(processors)
-        if self.do_sample:
-            # One seed per request from torch's generator, as `generate` draws one per sequence.
-            verifier = SamplingVerifier(
-                processors, PositionNoise(int(torch.randint(0, 2**62, (), device="cpu").item()))
-            )
-        lookahead = RequestLookahead(tokens, len(tokens) + remaining, pool, None, policy, context, verifier)
-        self.requests[state.request_id] = lookahead
-        return lookahead
+        if not self.do_sample:
+            return GreedyVerifier(processors)
+        # One seed per request from torch's generator, as `generate` draws one per sequence.
+        return SamplingVerifier(processors, PositionNoise(int(torch.randint(0, 2**62, (), device="cpu").item())))
 
-    def _estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
-        """Greedy and sampled requests accept at different rates: each kind carries its own estimates."""
-        return (*policy.shape, self.do_sample)
+    def _policy_cost(self) -> StepCostModel | None:
+        """What a new request's policy prices steps by: a step of the batch as it is now (for `"auto"`)."""
+        return self.cost.for_batch(max(self._batch_size, 1)) if self.config.adaptive else None
 
     def finish(self, request_id: str) -> None:
         """Forgets a finished request; its text joins the suffix memory (when it is on)."""
@@ -456,7 +386,7 @@ class LookaheadBatching:
         if self.memory is not None:
             self.state.add_to_memory(self.config.memory_namespace, [lookahead.tokens])
         if self.config.adaptive:
-            self.state.remember(self._estimates_key(lookahead.policy), lookahead.policy.estimates())
+            self.state.remember(self.factory.estimates_key(lookahead.policy), lookahead.policy.estimates())
 
 
 class LookaheadBatchProcessor(ContinuousBatchProcessor):
@@ -504,8 +434,10 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
             logits = model(**batch).logits[0]
         else:
             logits = model(**batch).logits[0, rows]
-        # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`.
+        # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`. The
+        # choices at every row reach the host in the step's one transfer.
         self.lookahead.logits = logits
+        self.lookahead.choices = read_choices(logits)
 
     def update_batch(self) -> None:
         settled = []
@@ -533,7 +465,7 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
             if state.streaming or finished:
                 output = state.to_generation_output()
                 outputs.append(LookaheadGenerationOutput(**vars(output), accepted_per_step=list(lookahead.accepted)))
-        # Verification read the logits on the host, so the device's work is done by now.
+        # The step's choices were read on the host, so the device's work is done by now.
         self.lookahead.observe_step(time.perf_counter() - self.step_started)
         if outputs:
             self.output_router.deliver_batch(outputs)
@@ -621,12 +553,15 @@ def init_continuous_batching_with_lookahead(
 
 
 def _class_init_continuous_batching(model: PreTrainedModel) -> Any:
-    """The `init_continuous_batching` of the model's class (Transformers' own), bound to it."""
-    from .generation_mixin import LookaheadGenerationMixin
-
-    if isinstance(model, LookaheadGenerationMixin):
-        return super(LookaheadGenerationMixin, model).init_continuous_batching
-    return type(model).init_continuous_batching.__get__(model, type(model))
+    """
+    The `init_continuous_batching` of the model's class (Transformers' own), bound to it: the first one along the
+    class's method resolution order that this package did not define (`LookaheadGenerationMixin`'s calls here).
+    """
+    for klass in type(model).__mro__:
+        method = vars(klass).get("init_continuous_batching")
+        if method is not None and not method.__module__.startswith(f"{__package__}."):
+            return method.__get__(model, type(model))
+    raise TypeError(f"{type(model).__name__} has no `init_continuous_batching` of Transformers'.")
 
 
 def _lookahead_cb_config(
@@ -637,7 +572,7 @@ def _lookahead_cb_config(
 
     cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
     problems = []
-    attention = model.config._attn_implementation
+    attention = attention_implementation(model)
     if attention not in MASKED_BACKENDS:
         problems.append(
             f"an attention backend that takes an explicit mask ({', '.join(MASKED_BACKENDS)}), got "

@@ -290,7 +290,8 @@ def measure_step_costs(
         grid = tuple(length for length in grid if length <= limit // 2)
         context = min(context, limit - max(grid))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab, (1, context + max(grid)), generator=generator, device="cpu").to(device)
+    host_ids = torch.randint(vocab, (1, context + max(grid)), generator=generator, device="cpu")
+    ids = host_ids.to(device)
     cache = DynamicCache(config=model.config)
     if model.config.is_encoder_decoder:
         cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))
@@ -304,7 +305,7 @@ def measure_step_costs(
     def timed(length: int) -> float:
         step = layout.build(
             forward.decoder_cache,
-            [layout.row(ids[0, context : context + length], context + length - 1, None, TokenTree())],
+            [layout.row(host_ids[0, context : context + length].tolist(), context + length - 1, None, TokenTree())],
             fixed_length=length,
         )
         if device.type == "cuda":

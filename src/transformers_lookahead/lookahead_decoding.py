@@ -19,28 +19,23 @@ from .configuration_lookahead import (
 )
 from .cost_model import COST_GRID, StepCostModel
 from .lookahead_state import LookaheadState
-from .lookahead_window import LookaheadWindow
-from .ngram_pool import ContextIndex, NGramPool
 from .rank_sync import RankSync
+from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import RowStep, StepLayout
 from .step_policy import (
-    AdaptiveStepPolicy,
     PolicyEstimates,
-    StaticStepPolicy,
     StepChoice,
     StepOffer,
-    StepPolicy,
     batch_step_length,
     choose_window,
 )
-from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, greedy_tokens
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, read_choices
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
 
-    from .suffix_memory import SuffixMemory
 
 # Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
 DEFAULT_WINDOW = "auto"
@@ -198,8 +193,8 @@ class SequenceText:
 
     The buffer, on the model's device and with the row's left padding, is what logits processors, stopping criteria
     and the output read (`input_ids`, a view). `tokens` mirrors the text past the padding as host integers, for what
-    runs on the host (the pool, the window, the context index, the suffix memory); `append` and `truncate` change both,
-    so they never disagree.
+    runs on the host (the pool, the window, the step's pending ids, the context index, the suffix memory); `append` and
+    `truncate` change both, so they never disagree.
 
     Args:
         row (`torch.LongTensor` of shape `(1, length)`): the sequence as plain `generate` holds it (padding included).
@@ -218,10 +213,6 @@ class SequenceText:
         """The sequence so far, shape `(1, length)`: a view of the buffer."""
         return self.buffer[:, : self.length]
 
-    def last(self, count: int = 1) -> torch.LongTensor:
-        """The last `count` tokens, shape `(count,)`: a view of the buffer."""
-        return self.buffer[0, self.length - count : self.length]
-
     def append(self, token: int) -> None:
         self.buffer[0, self.length] = token
         self.length += 1
@@ -234,61 +225,31 @@ class SequenceText:
             self.length = length
 
 
-class SequenceState:
+class SequenceState(SequenceLookahead):
     """
-    One sequence of the batch, complete when built: its text, n-gram pool, window, step policy, context index and
-    verifier, and what it accepted so far.
+    One sequence of the batch: its lookahead (`SequenceLookahead`), its text with the row's padding, and what
+    `generate` returns of it. `length` and `limit` count the padding.
 
     Args:
         index (`int`): the sequence's row in the batch `generate` was called with.
         text (`SequenceText`): its text.
         limit (`int`): the length the sequence may not exceed.
-        pool (`NGramPool`): its candidate n-grams.
-        window (`LookaheadWindow`): its Jacobi window.
-        policy (`StepPolicy`): what goes into each of its steps.
-        context (`ContextIndex`, *optional*): where its text repeats itself (for `"auto"` with the prompt pool).
-        verifier (`GreedyVerifier`): how its candidates are checked (greedy or sampling).
+        parts: its pool, window, policy, context index and verifier, as `SequenceLookahead` takes them
+            (`LookaheadFactory.parts`, then the verifier).
     """
 
-    def __init__(
-        self,
-        index: int,
-        text: SequenceText,
-        limit: int,
-        pool: NGramPool,
-        window: LookaheadWindow,
-        policy: StepPolicy,
-        context: ContextIndex | None,
-        verifier: GreedyVerifier,
-    ):
+    def __init__(self, index: int, text: SequenceText, limit: int, *parts: Any):
+        super().__init__(text.tokens, limit, *parts)
         self.index = index
         self.text = text
-        self.limit = limit
-        self.pool = pool
-        self.window = window
-        self.policy = policy
-        self.context = context
-        self.verifier = verifier
-        # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
-        self.pending = text.last()
         self.stopped_at: int | None = None
         self.done = False
-        self.accepted: list[int] = []
         self.scores: list[torch.Tensor] = []
         self.raw_logits: list[torch.Tensor] = []
 
     @property
     def length(self) -> int:
         return self.text.length
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.text.tokens
-
-    @property
-    def position(self) -> int:
-        """The position of the last token (the first real token is at 0, as with left-padded plain decoding)."""
-        return len(self.text.tokens) - 1
 
 
 @dataclass
@@ -378,6 +339,14 @@ class LookaheadDecoder:
         self.memory = None
         if config.memory:
             self.memory = self.state.memory(model, config.memory_namespace, config.memory_size)
+        self.factory = LookaheadFactory(
+            config,
+            self.window_size,
+            bool(generation_config.do_sample),
+            self._carried_estimates,
+            self.memory,
+            times_steps=self.follows_durations,
+        )
 
     @property
     def follows_durations(self) -> bool:
@@ -414,12 +383,18 @@ class LookaheadDecoder:
                 self.sync.check(forward_passes, step_fingerprint(plans))
             if not plans:
                 break
-            step = layout.build(self.committer.cache, [plan.row for plan in plans], slot_valid, self._bucket(plans))
+            rows = [plan.row for plan in plans]
+            step = layout.build(self.committer.cache, rows, slot_valid, self._bucket(plans), self.committer.seq_length)
             started = time.perf_counter()
             logits = self.forward(step)
             forward_passes += 1
-            verdicts = [self._accept(plan, step.logits_of(b, logits), streamer) for b, plan in enumerate(plans)]
-            # Verification read the choices on the host, so on accelerators too the step has finished here.
+            # The step's one device-to-host transfer: the model's choice at every row it kept.
+            choices = read_choices(logits)
+            verdicts = [
+                self._accept(plan, step.logits_of(b, logits), step.choices_of(b, choices), streamer)
+                for b, plan in enumerate(plans)
+            ]
+            # The choices reached the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
             kept_rows = [
                 plan.row.kept_rows(verdict.nodes[: kept - 1], self.config.cache_commit)
@@ -427,14 +402,14 @@ class LookaheadDecoder:
             ]
             slot_valid = self._commit(step.length, kept_rows, slot_valid)
             for b, (plan, (verdict, kept)) in enumerate(zip(plans, verdicts)):
-                self._learn(plan, verdict, kept, step.logits_of(b, logits), step.length, elapsed)
+                self._learn(plan, verdict, kept, step.choices_of(b, choices), step.length, elapsed)
             active, slot_valid = self._settle(sequences, active, slot_valid)
 
         if streamer is not None:
             streamer.end()
         if self.config.adaptive:
             estimates = PolicyEstimates.mean([sequence.policy.estimates() for sequence in sequences])
-            self.state.remember(self._estimates_key(sequences[0].policy), estimates)
+            self.state.remember(self.factory.estimates_key(sequences[0].policy), estimates)
         if self.memory is not None:
             self.state.add_to_memory(self.config.memory_namespace, [sequence.tokens for sequence in sequences])
         return self._outputs(sequences, forward_passes, slot_valid)
@@ -488,34 +463,8 @@ class LookaheadDecoder:
 
     def _new_sequence(self, index: int, text: SequenceText, limit: int, verifier: GreedyVerifier) -> SequenceState:
         """A sequence with its own pool, window and policy, seeded from its text, and its `verifier`."""
-        config, tokens = self.config, text.tokens
-        pool = NGramPool(config.levels, config.guess)
-        if config.pool_from_prompt:
-            pool.add_sequence(tokens)
-        window = LookaheadWindow(self.window_size, config.levels, torch.tensor(tokens, device=text.buffer.device))
-        context = None
-        if config.adaptive:
-            policy = AdaptiveStepPolicy(
-                self.batch_cost,
-                self.window_size * config.levels,
-                config.levels,
-                context_depth=AUTO_TUNING.context_depth,
-                memory_match=self.memory.max_match if self.memory is not None else 0,
-                memory_depth=AUTO_TUNING.memory_depth,
-                times_steps=self.follows_durations,
-            )
-            learnt = self._carried_estimates(self._estimates_key(policy))
-            if learnt is not None:
-                policy.start_from(learnt)
-            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
-            context = ContextIndex() if config.pool_from_prompt else None
-        else:
-            policy = StaticStepPolicy(self.window_size * config.levels)
-        return SequenceState(index, text, limit, pool, window, policy, context, verifier)
-
-    def _estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
-        """Greedy and sampled calls accept at different rates: each kind carries its own estimates."""
-        return (*policy.shape, self.generation_config.do_sample)
+        cost = self.batch_cost if self.config.adaptive else None
+        return SequenceState(index, text, limit, *self.factory.parts(text.tokens, cost), verifier)
 
     def _carried_estimates(self, key: tuple) -> PolicyEstimates | None:
         """What the last call of this kind left for a policy of this shape; rank 0's under tensor parallelism."""
@@ -566,11 +515,14 @@ class LookaheadDecoder:
         return plans
 
     def _offer(self, sequence: SequenceState) -> StepOffer:
-        return offer_candidates(sequence, self.config, self.max_positions, self.memory)
+        return offer_candidates(sequence, self.factory.sources, self.max_positions)
 
-    def _accept(self, plan: StepPlan, logits: torch.Tensor, streamer: BaseStreamer | None) -> tuple[Verdict, int]:
+    def _accept(
+        self, plan: StepPlan, logits: torch.Tensor, choices: list[int], streamer: BaseStreamer | None
+    ) -> tuple[Verdict, int]:
         """
-        Verifies one sequence's part of the step and appends what it accepted.
+        Verifies one sequence's part of the step (its logits, and the model's choices read from them) and appends
+        what it accepted.
 
         Returns:
             `tuple[Verdict, int]`: the verdict, and how many of its tokens the sequence kept (fewer where a stopping
@@ -578,28 +530,25 @@ class LookaheadDecoder:
         """
         sequence = plan.sequence
         verdict = sequence.verifier.verify(
-            logits, plan.choice.tree, plan.row.tree_row, sequence.text.input_ids, sequence.limit - sequence.length
+            logits,
+            plan.choice.tree,
+            plan.row.tree_row,
+            sequence.text.input_ids,
+            sequence.limit - sequence.length,
+            choices,
         )
         kept = self._append(sequence, verdict)
-        sequence.accepted.append(kept)
         self._stream(streamer, sequence, kept)
         return verdict, kept
 
     def _learn(
-        self, plan: StepPlan, verdict: Verdict, kept: int, logits: torch.Tensor, step_length: int, seconds: float
+        self, plan: StepPlan, verdict: Verdict, kept: int, choices: list[int], step_length: int, seconds: float
     ) -> None:
-        """Moves one sequence past the step: its pending tokens, policy, window and pool."""
-        sequence, config = plan.sequence, self.config
-        key = sequence.tokens[-kept - 1]
-        sequence.pending = sequence.text.last(1 if config.cache_commit == "gather" else kept)
-        sequence.policy.observe(plan.choice, verdict, sequence.pool, key)
+        """Moves one sequence past the step (`learn_from_step`), its policy also told how long the step took."""
+        refeed = self.config.cache_commit == "refeed"
+        learn_from_step(plan.sequence, plan.choice, plan.row, verdict, kept, choices, self.config, refeed)
         if self.follows_durations:
-            sequence.policy.observe_duration(step_length, seconds)
-        if plan.row.window_used:
-            for ngram in sequence.window.update(greedy_tokens(plan.row.window_top(logits))):
-                sequence.pool.add(ngram[0], ngram[1:], from_window=True)
-        if config.pool_from_prompt:
-            sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
+            plan.sequence.policy.observe_duration(step_length, seconds)
 
     def _commit(
         self, step_length: int, kept_rows: list[list[int]], slot_valid: torch.BoolTensor | None
@@ -785,7 +734,7 @@ class LookaheadDecoder:
     @staticmethod
     def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
         if streamer is not None and kept:
-            streamer.put(sequence.text.last(kept).cpu())
+            streamer.put(torch.tensor(sequence.tokens[-kept:]))
 
 
 def compiled_buckets(cost: StepCostModel, longest: int, tuning: AutoTuning = AUTO_TUNING) -> tuple[int, ...]:
@@ -813,38 +762,6 @@ def compiled_buckets(cost: StepCostModel, longest: int, tuning: AutoTuning = AUT
     return tuple(sorted(buckets))
 
 
-def offer_candidates(
-    sequence: SequenceState, config: LookaheadConfig, max_positions: int | None, memory: SuffixMemory | None
-) -> StepOffer:
-    """
-    A sequence's candidates for its next step, priced by its policy (with whether its window fits the model's
-    positions): its pool's tree under the last token, the continuation its context index copies, and the suffix
-    memory's match.
-
-    Args:
-        sequence (`SequenceState`): the sequence (or any object with its `tokens`, `length`, `limit`, `position`,
-            `pending`, `pool`, `context` and `policy`, as a continuous-batching request's lookahead has).
-        config (`LookaheadConfig`): the step shape.
-        max_positions (`int`, *optional*): the positions the model embeds, if it says.
-        memory (`SuffixMemory`, *optional*): earlier calls' text.
-    """
-    tokens, position = sequence.tokens, sequence.position
-    position_room = (max_positions - 1 - position) if max_positions else sequence.limit
-    depth = min(config.levels, sequence.limit - sequence.length - 1, position_room)
-    window_allowed = position_room >= config.levels + sequence.window.window - 1
-    tree = sequence.pool.tree(tokens[-1], depth)
-    if sequence.context is not None:
-        sequence.context.update(tokens)
-        room = min(AUTO_TUNING.context_depth, sequence.limit - sequence.length - 1, position_room)
-        tree.add_path(sequence.context.continuation(tokens, room))
-    if memory is not None:
-        depth_room = min(AUTO_TUNING.memory_depth, sequence.limit - sequence.length - 1, position_room)
-        match = memory.match(tokens, depth_room)
-        if match is not None:
-            tree.add_memory(match, AUTO_TUNING.memory_nodes)
-    return sequence.policy.offer(tree, window_allowed, sequence.pending.shape[0])
-
-
 def step_fingerprint(plans: list[StepPlan]) -> int:
     """
     A digest of a step's decisions: which sequences take part, how long each is, and every token each feeds (its
@@ -852,6 +769,4 @@ def step_fingerprint(plans: list[StepPlan]) -> int:
     """
     if not plans:
         return 0
-    return hash(
-        tuple((plan.sequence.index, plan.sequence.length, tuple(plan.row.input_ids.tolist())) for plan in plans)
-    )
+    return hash(tuple((plan.sequence.index, plan.sequence.length, tuple(plan.row.tokens)) for plan in plans))

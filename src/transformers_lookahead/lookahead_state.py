@@ -58,8 +58,9 @@ class LookaheadState:
             A cost table to price every step by, instead of measuring one: the table of another device, to see what
             `"auto"` would do there, or a fixed table for steps that do not depend on this machine's timings.
         follow_durations (`bool`, *optional*, defaults to `True`):
-            Whether `"auto"` also learns from the measured durations of its steps what its table under-prices. Off,
-            its steps depend only on the table and the text.
+            Whether `"auto"` also learns from the measured durations of its steps what its table under-prices (in
+            continuous batching: prices steps by the engine's timed steps, `EngineStepCost`). Off, its steps depend
+            only on the table and the text.
     """
 
     def __init__(

@@ -21,16 +21,19 @@ class LookaheadWindow:
     The levels start as tokens drawn from the prompt: random vocabulary ids almost never reappear in text, while
     prompt tokens are in-distribution and converge to useful n-grams sooner.
 
+    The window lives on the host: the step reads its top level's new guesses there with the verified tokens (one
+    transfer per step) and feeds the window back with the step's other host-built ids.
+
     Args:
         window (`int`): W, the number of columns.
         levels (`int`): N - 1, the number of levels.
-        prompt_ids (`torch.LongTensor` of shape `(prompt_length,)`): the prompt the initial guesses are drawn from.
+        prompt_ids (`list[int]`): the prompt the initial guesses are drawn from.
     """
 
-    def __init__(self, window: int, levels: int, prompt_ids: torch.LongTensor):
+    def __init__(self, window: int, levels: int, prompt_ids: list[int]):
         generator = torch.Generator().manual_seed(WINDOW_SEED)
-        picks = torch.randint(prompt_ids.shape[0], (levels, window), generator=generator, device="cpu")
-        self.tokens = prompt_ids[picks.to(prompt_ids.device)]
+        picks = torch.randint(len(prompt_ids), (levels, window), generator=generator, device="cpu").tolist()
+        self.tokens = [[prompt_ids[pick] for pick in level] for level in picks]
         self.window = window
         self.levels = levels
         # The bottom level is the oldest; until N - 2 updates have happened, some of its levels are still the
@@ -40,16 +43,16 @@ class LookaheadWindow:
     def __len__(self) -> int:
         return self.window * self.levels
 
-    def flat(self) -> torch.LongTensor:
+    def flat(self) -> list[int]:
         """All guesses, level by level: the window part of the step's input ids."""
-        return self.tokens.reshape(-1)
+        return [token for level in self.tokens for token in level]
 
-    def update(self, top: torch.LongTensor) -> list[list[int]]:
+    def update(self, top: list[int]) -> list[list[int]]:
         """
         Applies one Jacobi iteration.
 
         Args:
-            top (`torch.LongTensor` of shape `(window,)`): the argmax of the model at the top level's positions.
+            top (`list[int]`): the argmax of the model at the top level's positions, one per column.
 
         Returns:
             `list[list[int]]`: the n-grams the columns completed (one per column, N tokens each), or an empty list
@@ -59,6 +62,6 @@ class LookaheadWindow:
         if self._updates_until_ngrams > 0:
             self._updates_until_ngrams -= 1
         else:
-            ngrams = torch.cat([self.tokens, top[None]]).T.tolist()
-        self.tokens = torch.cat([self.tokens[1:], top[None]])
+            ngrams = [list(column) for column in zip(*self.tokens, top)]
+        self.tokens = self.tokens[1:] + [list(top)]
         return ngrams

@@ -90,18 +90,19 @@ class NGramPool:
         """The continuations kept for `key`, most recently used first."""
         return list(reversed(self._recent.get(key, ())))
 
-    def tree(self, key: int, max_depth: int) -> TokenTree:
+    def tree(self, key: int, max_depth: int, tree: TokenTree | None = None) -> TokenTree:
         """
         The continuations of `key` as a token tree, cut at `max_depth` tokens.
 
         Args:
             key (`int`): the token the continuations follow (the last accepted token).
             max_depth (`int`): the deepest level to include; 0 gives an empty tree.
+            tree (`TokenTree`, *optional*): an empty tree to fill (a new one if not given).
 
         Returns:
             `TokenTree` listing parents before children (breadth first).
         """
-        tree = TokenTree()
+        tree = TokenTree() if tree is None else tree
         trie = self._tries.get(key)
         if not trie or max_depth < 1:
             return tree

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,21 +29,23 @@ class RowStep:
     One sequence's part of a step, before the rows of a batch are padded to one length.
 
     Args:
-        input_ids (`torch.LongTensor` of shape `(T_b,)`): pending tokens, then the window, then the tree.
+        tokens (`list[int]`): pending tokens, then the window, then the tree, on the host.
+        input_ids (`torch.LongTensor` of shape `(T_b,)`): the same tokens on the model's device.
         positions (`torch.LongTensor` of shape `(T_b,)`).
         visible (`torch.BoolTensor` of shape `(T_b, T_b)`): which of the step's tokens each token sees.
-        logits_rows (`torch.LongTensor`): the rows whose logits verification reads, in this order: the last pending
-            token, the window's top level (if the window is in the step), every tree node.
+        logits_rows (`list[int]`): the rows whose logits verification reads, in this order: the last pending token,
+            the window's top level (if the window is in the step), every tree node.
         tree_row (`int`): the index in `logits_rows` of the first tree node.
         window_used (`bool`): whether the window is part of this step.
         pending_length (`int`): k, the pending tokens the step starts with.
         tree_start (`int`): the index in the step of the first tree node (after the pending tokens and the window).
     """
 
+    tokens: list[int]
     input_ids: torch.LongTensor
     positions: torch.LongTensor
     visible: torch.BoolTensor | None
-    logits_rows: torch.LongTensor
+    logits_rows: list[int]
     tree_row: int
     window_used: bool
     pending_length: int
@@ -52,12 +55,12 @@ class RowStep:
     def length(self) -> int:
         return self.input_ids.shape[0]
 
-    def window_top(self, logits: torch.Tensor) -> torch.Tensor:
+    def window_top(self, choices: list[int]) -> list[int]:
         """
-        The rows of this sequence's logits (shape `(len(logits_rows), vocab)`) at the window's top level: the next
-        Jacobi iteration of its guesses. Empty when the window is not part of the step.
+        The model's choices (one per entry of `logits_rows`) at the window's top level: the next Jacobi iteration of
+        its guesses. Empty when the window is not part of the step.
         """
-        return logits[1 : self.tree_row]
+        return choices[1 : self.tree_row]
 
     def kept_rows(self, matched_nodes: list[int], strategy: str) -> list[int]:
         """
@@ -87,15 +90,15 @@ class StepInputs:
             when the model mixes full and sliding layers; `None` for a single-token step of one unpadded sequence,
             which needs only the causal mask the model builds.
         logits_rows (`torch.LongTensor`): the step rows whose logits the forward pass computes (for every sequence).
-        row_logits (`list[torch.LongTensor | None]`): per sequence, where its `RowStep.logits_rows` are among
-            `logits_rows` (`None`: all of them, in order).
+        row_logits (`list[list[int] | None]`): per sequence, where its `RowStep.logits_rows` are among `logits_rows`
+            (`None`: all of them, in order).
     """
 
     input_ids: torch.LongTensor
     position_ids: torch.LongTensor
     attention_mask: torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask] | None
     logits_rows: torch.LongTensor
-    row_logits: list[torch.LongTensor | None]
+    row_logits: list[list[int] | None]
 
     @property
     def length(self) -> int:
@@ -111,6 +114,14 @@ class StepInputs:
         """
         rows = self.row_logits[row]
         return logits[row] if rows is None else logits[row, rows]
+
+    def choices_of(self, row: int, choices: list[list[int]]) -> list[int]:
+        """
+        One sequence's choices in the order of its `RowStep.logits_rows`, from `choices` (`read_choices` of the
+        step's logits).
+        """
+        rows = self.row_logits[row]
+        return choices[row] if rows is None else [choices[row][index] for index in rows]
 
 
 @dataclass(frozen=True)
@@ -209,7 +220,7 @@ class StepLayout:
         )
         self.window_block = sees_first_level | sees_own_column
         self.top_rows = list(range((levels - 1) * window, levels * window))
-        self._last_row = torch.tensor([0], device=device)
+        self._last_row: torch.LongTensor | None = None
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
@@ -228,32 +239,34 @@ class StepLayout:
 
     def row(
         self,
-        pending: torch.LongTensor,
+        pending: list[int],
         position: int,
-        window_tokens: torch.LongTensor | None,
+        window_tokens: list[int] | None,
         tree: TokenTree,
     ) -> RowStep:
         """
         Args:
-            pending (`torch.LongTensor` of shape `(k,)`): accepted tokens that are not in the cache yet, k >= 1.
+            pending (`list[int]`): accepted tokens that are not in the cache yet, k >= 1 of them.
             position (`int`): the position of the last pending token.
-            window_tokens (`torch.LongTensor` of shape `(levels * window,)` or `None`): the window's guesses
-                level by level, or `None` to leave the window out of this step.
+            window_tokens (`list[int]` of length `levels * window`, or `None`): the window's guesses level by
+                level, or `None` to leave the window out of this step.
             tree (`TokenTree`): the candidates to verify (may be empty).
 
         Returns:
             `RowStep`.
         """
         device = self.device
-        k = pending.shape[0]
-        window_length = 0 if window_tokens is None else window_tokens.shape[0]
+        k = len(pending)
+        window_length = 0 if window_tokens is None else len(window_tokens)
         tree_length = len(tree)
         length = k + window_length + tree_length
         tree_start = k + window_length
         tree_row = 1 + (self.window if window_tokens is not None else 0)
+        tokens = [*pending, *(window_tokens or ()), *tree.tokens]
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         if length == 1:
             positions = torch.tensor([position], device=device)
-            return RowStep(pending, positions, None, self._last_row, tree_row, False, k, tree_start)
+            return RowStep(tokens, input_ids, positions, None, [0], tree_row, False, k, tree_start)
 
         # Built on the host and moved once: a step is a few dozen tokens, and one torch call per piece cost more
         # than the whole host-side construction.
@@ -261,11 +274,6 @@ class StepLayout:
         if window_tokens is not None:
             positions += [position + offset for offset in self.window_offsets]
         positions += [position + depth for depth in tree.depths]
-        if window_tokens is None:
-            input_ids = torch.tensor(pending.tolist() + tree.tokens, device=device)
-        else:
-            tree_ids = torch.tensor(tree.tokens, dtype=torch.long, device=device)
-            input_ids = torch.cat([pending, window_tokens, tree_ids])
 
         visible = np.zeros((length, length), dtype=bool)
         visible[:, :k] = True
@@ -283,10 +291,11 @@ class StepLayout:
             logits_rows += [row + k for row in self.top_rows]
         logits_rows += range(tree_start, length)
         return RowStep(
+            tokens,
             input_ids,
             torch.tensor(positions, device=device),
             torch.from_numpy(visible).to(device),
-            torch.tensor(logits_rows, device=device),
+            logits_rows,
             tree_row,
             window_tokens is not None,
             k,
@@ -299,6 +308,7 @@ class StepLayout:
         rows: list[RowStep],
         slot_valid: torch.BoolTensor | None = None,
         fixed_length: int | None = None,
+        seq_length: Callable[[int], int] | None = None,
     ) -> StepInputs:
         """
         Pads the sequences' steps to one length and builds the masks over the cache and the step.
@@ -313,6 +323,8 @@ class StepLayout:
                 step's positions.
             fixed_length (`int`, *optional*): pad every multi-token step to this length and compute the logits of
                 every row, so that all of them have one shape (a compiled forward pass then compiles once).
+            seq_length (`Callable[[int], int]`, *optional*): the tokens a layer holds, by layer index, known on the
+                host (`CacheCommitter.seq_length`); `cache.get_seq_length` when not given.
 
         Returns:
             `StepInputs`.
@@ -329,14 +341,16 @@ class StepLayout:
             if length == 1 and slot_valid is None:
                 # A lone token sees everything before it: the model builds that mask itself (for sliding layers too),
                 # exactly as in plain decoding, which is cheaper than a custom mask.
-                return StepInputs(only.input_ids[None], only.positions[None], None, only.logits_rows, [None])
+                return StepInputs(
+                    only.input_ids[None], only.positions[None], None, self._rows(only.logits_rows), [None]
+                )
             input_ids, positions = only.input_ids[None], only.positions[None]
             visible = (
                 only.visible[None]
                 if only.visible is not None
                 else torch.ones(1, 1, 1, dtype=torch.bool, device=device)
             )
-            logits_rows, row_logits = only.logits_rows, [None]
+            logits_rows, row_logits = self._rows(only.logits_rows), [None]
         else:
             batch = len(rows)
             input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
@@ -349,23 +363,37 @@ class StepLayout:
                 positions[b, row.length :] = row.positions[-1]
                 if row.visible is not None:
                     visible[b, : row.length, : row.length] = row.visible
-            logits_rows = torch.unique(torch.cat([row.logits_rows for row in rows]))
-            row_logits = [torch.searchsorted(logits_rows, row.logits_rows) for row in rows]
+            # On the host: the union of the rows' logits rows, and where each row's are in it.
+            union = sorted({index for row in rows for index in row.logits_rows})
+            where = {index: position for position, index in enumerate(union)}
+            logits_rows = self._rows(union)
+            row_logits = [[where[index] for index in row.logits_rows] for row in rows]
         if fixed:
             logits_rows = torch.arange(length, device=device)
             row_logits = [row.logits_rows for row in rows]
 
+        held = seq_length or cache.get_seq_length
         if isinstance(self.groups, AttentionGroup):
-            attention_mask = self._mask(cache, self.groups, visible, positions, slot_valid)
+            attention_mask = self._mask(cache, held, self.groups, visible, positions, slot_valid)
         else:
             attention_mask = {
-                name: self._mask(cache, group, visible, positions, slot_valid) for name, group in self.groups.items()
+                name: self._mask(cache, held, group, visible, positions, slot_valid)
+                for name, group in self.groups.items()
             }
         return StepInputs(input_ids, positions, attention_mask, logits_rows, row_logits)
+
+    def _rows(self, rows: list[int]) -> torch.LongTensor:
+        """The logits rows to keep, on the device: the last row alone (a one-token step) is built once."""
+        if rows == [0]:
+            if self._last_row is None:
+                self._last_row = torch.tensor([0], device=self.device)
+            return self._last_row
+        return torch.tensor(rows, device=self.device)
 
     def _mask(
         self,
         cache,
+        held: Callable[[int], int],
         group: AttentionGroup,
         visible: torch.Tensor,
         positions: torch.Tensor,
@@ -375,7 +403,7 @@ class StepLayout:
         kv_length, kv_offset = cache.get_mask_sizes(length, group.layer_idx)
         # Dynamic layers return the cache followed by the step; static layers return their whole buffer, the step
         # written right after the cached tokens and stale entries after it.
-        past = min(kv_length - length, cache.get_seq_length(group.layer_idx))
+        past = min(kv_length - length, held(group.layer_idx))
         mask = torch.zeros(batch, length, kv_length, dtype=self.dtype, device=self.device)
         mask[:, :, past : past + length].masked_fill_(~visible, self.min_value)
         mask[:, :, past + length :] = self.min_value
