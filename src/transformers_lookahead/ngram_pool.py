@@ -97,7 +97,7 @@ class NGramPool:
         Args:
             key (`int`): the token the continuations follow (the last accepted token).
             max_depth (`int`): the deepest level to include; 0 gives an empty tree.
-            tree (`TokenTree`, *optional*): an empty tree to fill (a new one if not given).
+            tree (`TokenTree`, *optional*): the tree to merge them into (a new one if not given).
 
         Returns:
             `TokenTree` listing parents before children (breadth first).

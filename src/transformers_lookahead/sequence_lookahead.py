@@ -165,7 +165,9 @@ class LookaheadFactory:
         self.times_steps = times_steps
         self.sources = candidate_sources(config, memory)
 
-    def parts(self, tokens: list[int], cost: StepCostModel | None) -> tuple:
+    def parts(
+        self, tokens: list[int], cost: StepCostModel | None
+    ) -> tuple[NGramPool, LookaheadWindow, StepPolicy, ContextIndex | None]:
         """
         The pool, window, policy and context index of a sequence whose text is `tokens` (its prompt and first
         token), its policy pricing steps by `cost` (for `"auto"`).
