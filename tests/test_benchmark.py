@@ -813,10 +813,10 @@ class ForwardTimerTest(unittest.TestCase):
 
 class HostTimeTest(unittest.TestCase):
     def test_steps_cover_the_text_and_the_summary_splits_first_and_last_tokens(self):
-        model = enable_lookahead(tiny_model("llama"), flat_state())
+        timer = ForwardTimer(enable_lookahead(tiny_model("llama"), flat_state()))
         runs = []
         for method, settings in (("greedy", {}), ("lookahead_7_5_7", {"lookahead_window": 7})):
-            steps = step_host_times(model, random_prompt(20), 40, **settings)
+            steps = step_host_times(timer, random_prompt(20), 40, **settings)
             # Each step but the last: tokens generated before it, host ms, pass ms, tokens it kept; the prefill gave
             # the first token.
             self.assertLess(sum(step[3] for step in steps) + 1, 40, method)

@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
-from utils.timing import native_half_precision, provenance  # noqa: E402
+from utils.timing import ForwardTimer, native_half_precision, provenance  # noqa: E402
 
 METHODS = {
     "greedy": {},
@@ -35,48 +34,26 @@ METHODS = {
 }
 
 
-class PassClock:
-    """Each forward pass's start and end (`perf_counter`), through module hooks; the device synchronised."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self._hooks = (
-            model.register_forward_pre_hook(lambda *_: self.starts.append(self._now())),
-            model.register_forward_hook(lambda *_: self.ends.append(self._now())),
-        )
-
-    def _now(self) -> float:
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        return time.perf_counter()
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-
-def step_host_times(model, prompt: torch.LongTensor, new_tokens: int, **kwargs) -> list[tuple[int, float, float, int]]:
+def step_host_times(
+    timer: ForwardTimer, prompt: torch.LongTensor, new_tokens: int, **kwargs
+) -> list[tuple[int, float, float, int]]:
     """
     One call's decoding steps but the last, as `(tokens generated before the step, host ms after its pass, its
     pass's ms, tokens it kept)`. A step's host time runs from its pass's end to the next pass's start: verifying and
     committing what it kept, learning from it, and planning and laying out the next step.
+
+    Args:
+        timer (`ForwardTimer`): the timer hooked to the model.
     """
-    clock = PassClock(model)
-    try:
-        out = model.generate(
-            prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **kwargs
-        )
-    finally:
-        clock.remove()
-    accepted = list(getattr(out, "accepted_per_step", None) or [1] * (len(clock.starts) - 1))
+    out, _ = timer.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **kwargs)
+    spans = timer.spans
+    accepted = list(getattr(out, "accepted_per_step", None) or [1] * (len(spans) - 1))
     generated = 1  # the prefill's token
     steps = []
     # Pass 0 is the prefill; the last step has no next pass to time its host work against.
     for index, kept in enumerate(accepted[:-1], start=1):
-        host = clock.starts[index + 1] - clock.ends[index]
-        steps.append((generated, 1000 * host, 1000 * (clock.ends[index] - clock.starts[index]), kept))
+        (started, ended), (following, _) = spans[index], spans[index + 1]
+        steps.append((generated, 1000 * (following - ended), 1000 * (ended - started), kept))
         generated += kept
     return steps
 
@@ -146,13 +123,14 @@ def main(argv: list[str] | None = None) -> None:
         for dataset in ("humaneval", "mt_bench")
         for prompt_id, _, text in tuning_prompts(dataset)[: args.num_prompts]
     ]
+    timer = ForwardTimer(model)
     runs = []
     with torch.no_grad():
         for repeat in range(args.repeats):
             for prompt_id, prompt in prompts:
                 # Methods interleaved per prompt, so that a slower spell of a shared machine falls on all of them.
                 for method, settings in METHODS.items():
-                    steps = step_host_times(model, prompt, args.new_tokens, **settings)
+                    steps = step_host_times(timer, prompt, args.new_tokens, **settings)
                     runs.append({"prompt_id": prompt_id, "method": method, "repeat": repeat, "steps": steps})
                     print(f"{prompt_id} {method} repeat {repeat}: {len(steps)} steps", flush=True)
     summary = summarize_host_time(runs, args.new_tokens, args.window)

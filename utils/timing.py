@@ -105,7 +105,8 @@ class Run:
 class ForwardTimer:
     """
     Counts the model's forward passes and their time, through module hooks (for every method alike); `passes` holds
-    each pass's `(query tokens, seconds)` (`None` tokens where the pass took no `input_ids`).
+    each pass's `(query tokens, seconds)` (`None` tokens where the pass took no `input_ids`), `spans` its start and
+    end (`perf_counter`), so that the host's time between passes can be read too.
     """
 
     def __init__(self, model):
@@ -117,6 +118,7 @@ class ForwardTimer:
     def reset(self):
         self.calls, self.seconds, self._began = 0, 0.0, 0.0
         self.passes: list[tuple[int | None, float]] = []
+        self.spans: list[tuple[float, float]] = []
         self._tokens: int | None = None
 
     def generate(self, *args, **kwargs):
@@ -142,7 +144,9 @@ class ForwardTimer:
 
     def _stop(self, module, args, kwargs, output):
         self._sync()
-        elapsed = time.perf_counter() - self._began
+        ended = time.perf_counter()
+        elapsed = ended - self._began
         self.calls += 1
         self.seconds += elapsed
         self.passes.append((self._tokens, elapsed))
+        self.spans.append((self._began, ended))

@@ -349,9 +349,7 @@ class LookaheadBatching:
             learn_from_step(lookahead, step.choice, step.row, verdict, kept, choices, self.config)
         else:
             # A plain one-token step (the scheduler left its block out): the text moved on, nothing was verified.
-            lookahead.pending = tokens[-1:]
-            if self.config.pool_from_prompt:
-                lookahead.pool.add_sequence(tokens, first_key=len(tokens) - kept - self.config.levels)
+            lookahead.advance(kept, self.config)
         if verified and not finished:
             self.moves.append((request_id, step.past, step.row.length, step.row.tree_start, verdict.nodes[: kept - 1]))
             state.position_offset = step.past + kept

@@ -390,9 +390,9 @@ class LookaheadDecoder:
             forward_passes += 1
             # The step's one device-to-host transfer: the model's choice at every row it kept.
             choices = read_choices(logits)
+            row_choices = [step.choices_of(b, choices) for b in range(len(plans))]
             verdicts = [
-                self._accept(plan, step.logits_of(b, logits), step.choices_of(b, choices), streamer)
-                for b, plan in enumerate(plans)
+                self._accept(plan, step.logits_of(b, logits), row_choices[b], streamer) for b, plan in enumerate(plans)
             ]
             # The choices reached the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
@@ -402,7 +402,7 @@ class LookaheadDecoder:
             ]
             slot_valid = self._commit(step.length, kept_rows, slot_valid)
             for b, (plan, (verdict, kept)) in enumerate(zip(plans, verdicts)):
-                self._learn(plan, verdict, kept, step.choices_of(b, choices), step.length, elapsed)
+                self._learn(plan, verdict, kept, row_choices[b], step.length, elapsed)
             active, slot_valid = self._settle(sequences, active, slot_valid)
 
         if streamer is not None:

@@ -70,6 +70,15 @@ class SequenceLookahead:
         """The position of the last token (the first real token is at 0, as with left-padded plain decoding)."""
         return len(self.tokens) - 1
 
+    def advance(self, kept: int, config: LookaheadConfig, refeed: bool = False) -> None:
+        """
+        Moves past `kept` tokens just appended to the text: what the next step feeds first (the last token, or all
+        `kept` again where `refeed`), and the n-grams they completed for the pool.
+        """
+        self.pending = self.tokens[-(kept if refeed else 1) :]
+        if config.pool_from_prompt:
+            self.pool.add_sequence(self.tokens, first_key=len(self.tokens) - kept - config.levels)
+
 
 class CandidateSource(ABC):
     """
@@ -254,12 +263,9 @@ def learn_from_step(
         refeed (`bool`): whether the next step feeds the kept tokens again (`"refeed"` cache commits) rather than
             the last one only.
     """
-    key = sequence.tokens[-kept - 1]
-    sequence.pending = sequence.tokens[-(kept if refeed else 1) :]
     sequence.accepted.append(kept)
-    sequence.policy.observe(choice, verdict, sequence.pool, key)
+    sequence.policy.observe(choice, verdict, sequence.pool, sequence.tokens[-kept - 1])
     if row.window_used:
         for ngram in sequence.window.update(row.window_top(choices)):
             sequence.pool.add(ngram[0], ngram[1:], from_window=True)
-    if config.pool_from_prompt:
-        sequence.pool.add_sequence(sequence.tokens, first_key=len(sequence.tokens) - kept - config.levels)
+    sequence.advance(kept, config, refeed)

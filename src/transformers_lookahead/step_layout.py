@@ -220,7 +220,7 @@ class StepLayout:
         )
         self.window_block = sees_first_level | sees_own_column
         self.top_rows = list(range((levels - 1) * window, levels * window))
-        self._last_row: torch.LongTensor | None = None
+        self._last_row = torch.tensor([0], device=device)
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
@@ -384,11 +384,7 @@ class StepLayout:
 
     def _rows(self, rows: list[int]) -> torch.LongTensor:
         """The logits rows to keep, on the device: the last row alone (a one-token step) is built once."""
-        if rows == [0]:
-            if self._last_row is None:
-                self._last_row = torch.tensor([0], device=self.device)
-            return self._last_row
-        return torch.tensor(rows, device=self.device)
+        return self._last_row if rows == [0] else torch.tensor(rows, device=self.device)
 
     def _mask(
         self,
