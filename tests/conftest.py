@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-from transformers_lookahead.cost_model import COST_DIR_VARIABLE
+from transformers_lookahead.cost_measurement import COST_DIR_VARIABLE
 
 _DIRECTORY = pytest.StashKey[str]()
 

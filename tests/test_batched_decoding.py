@@ -239,7 +239,8 @@ class BatchedSamplingTest(unittest.TestCase):
         model = enable_lookahead(small_vocabulary_model().to(dtype))
         prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]), torch.tensor([[6, 7, 6, 7, 6]])]
         inputs = left_padded(prompts)
-        runs, new_tokens, copies = 700, 4, 2
+        # Many copies per call rather than many calls: the same samples per prompt, in a twentieth of the calls.
+        runs, new_tokens, copies = 35, 4, 40
         samples = {}
         multi_token = 0
         for label, extra in (("plain", {}), ("lookahead", {"lookahead_window": 2, "lookahead_ngram": 3})):
@@ -256,9 +257,10 @@ class BatchedSamplingTest(unittest.TestCase):
                 )
                 drawn.append(out.sequences[:, -new_tokens:])
                 if extra:
-                    multi_token += any(kept > 1 for row in out.accepted_per_step for kept in row)
+                    multi_token += sum(any(kept > 1 for kept in row) for row in out.accepted_per_step)
             samples[label] = torch.stack(drawn)  # (runs, prompts x copies, new_tokens)
-        self.assertGreater(multi_token, runs // 20, "the test must exercise multi-token acceptance")
+        # A fixed 2/3 step on a random model accepts a second token in about 2.5% of the sampled rows.
+        self.assertGreater(multi_token, runs * 2 * copies // 100, "the test must exercise multi-token acceptance")
         # `num_return_sequences` repeats each prompt: rows 0-1 sample prompt 0, rows 2-3 prompt 1.
         for prompt in range(2):
             rows = slice(prompt * copies, (prompt + 1) * copies)

@@ -412,8 +412,7 @@ class DeparturesTest(unittest.TestCase):
         self.assertGreater(per_forward["lookahead_7_5_7"], 1.0, "these prompts repeat themselves: steps accept more")
         # A method that changes the text is seen departing where it does.
         changed = {**DEPARTURE_METHODS, "lookahead_auto": {"lookahead_window": 4, "repetition_penalty": 5.0}}
-        with mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", changed):
-            result = run_departures(args, model, tokenizer, prompts)
+        result = run_departures(args, model, tokenizer, prompts, changed)
         changed_row = summarize_departures(result)[2]
         self.assertGreater(changed_row["departed"], 0)
         self.assertGreater(changed_row["off_greedy_tokens"], 0, "a penalised text is no near-tie of plain greedy")

@@ -1,10 +1,11 @@
 import unittest
+from types import SimpleNamespace
 
 import torch
 from parameterized import parameterized
 from transformers import DynamicCache
 
-from transformers_lookahead.cache_commit import CacheCommitter
+from transformers_lookahead.cache_commit import CacheCommitter, EntryMoves
 from transformers_lookahead.compatibility import compile_config as compile_everywhere
 from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_forward import cache_argument
@@ -198,3 +199,31 @@ class CompiledStepTest(unittest.TestCase):
         self.assertLess(out.num_forward_passes, 40)
         self.assertLessEqual(torch._dynamo.utils.counters["stats"]["unique_graphs"], 2)
         self.assertEqual(sum(torch._dynamo.utils.counters["recompiles"].values()), 0)
+
+
+class EntryMovesTest(unittest.TestCase):
+    """Every route of `EntryMoves` leaves what indexing each row's entries would."""
+
+    @parameterized.expand(
+        [
+            ("one_row_in_place", [[0, 1, 2]]),
+            ("one_row_overlapping_run", [[0, 2, 3, 4]]),
+            ("one_row_distant_run", [[0, 6, 7]]),
+            ("one_row_several_runs", [[0, 3, 5, 6]]),
+            ("two_rows", [[0, 3, 4], [0, 1, 1]]),
+        ]
+    )
+    def test_moves_match_indexing(self, _, index):
+        start, generator = 2, torch.Generator().manual_seed(0)
+        keys = torch.randn(len(index), 3, 12, 4, generator=generator)
+        values = torch.randn(len(index), 3, 12, 4, generator=generator)
+        layer = SimpleNamespace(keys=keys.clone(), values=values.clone())
+        EntryMoves(index).apply(layer, start)
+        for expected, moved in ((keys, layer.keys), (values, layer.values)):
+            for b, offsets in enumerate(index):
+                width = len(offsets)
+                source = torch.tensor(offsets) + start
+                self.assertTrue(torch.equal(moved[b, :, start : start + width], expected[b, :, source]))
+                # Entries before `start` and past what moved stay as they were.
+                self.assertTrue(torch.equal(moved[b, :, :start], expected[b, :, :start]))
+                self.assertTrue(torch.equal(moved[b, :, start + width :], expected[b, :, start + width :]))

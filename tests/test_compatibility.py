@@ -1,16 +1,16 @@
 """The private Transformers APIs behind `compatibility.py` are where the package expects them."""
 
 import unittest
-from types import SimpleNamespace
 from unittest import mock
 
-import torch
 import transformers
-from parameterized import parameterized
-from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers import GenerationMixin
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+)
 
-from transformers_lookahead.compatibility import EntryMoves, TokenStoppingCriteria, check_private_apis
+from transformers_lookahead.compatibility import BatchProcessorHooks, become, check_private_apis
 
 
 class PrivateApiTest(unittest.TestCase):
@@ -38,51 +38,35 @@ class PrivateApiTest(unittest.TestCase):
         self.assertEqual(len(problems), 1)
         self.assertIn("_prefill", problems[0])
 
+    def test_a_moved_continuous_batching_hook_is_named(self):
+        def _generation_step(self, model, batch):
+            raise AssertionError("not called")
 
-class EntryMovesTest(unittest.TestCase):
-    """Every route of `EntryMoves` leaves what indexing each row's entries would."""
+        with mock.patch.object(ContinuousBatchProcessor, "_generation_step", _generation_step):
+            problems = check_private_apis()
+        self.assertEqual(len(problems), 1)
+        self.assertIn("ContinuousBatchProcessor._generation_step", problems[0])
 
-    @parameterized.expand(
-        [
-            ("one_row_in_place", [[0, 1, 2]]),
-            ("one_row_overlapping_run", [[0, 2, 3, 4]]),
-            ("one_row_distant_run", [[0, 6, 7]]),
-            ("one_row_several_runs", [[0, 3, 5, 6]]),
-            ("two_rows", [[0, 3, 4], [0, 1, 1]]),
-        ]
-    )
-    def test_moves_match_indexing(self, _, index):
-        start, generator = 2, torch.Generator().manual_seed(0)
-        keys = torch.randn(len(index), 3, 12, 4, generator=generator)
-        values = torch.randn(len(index), 3, 12, 4, generator=generator)
-        layer = SimpleNamespace(keys=keys.clone(), values=values.clone())
-        EntryMoves(index).apply(layer, start)
-        for expected, moved in ((keys, layer.keys), (values, layer.values)):
-            for b, offsets in enumerate(index):
-                width = len(offsets)
-                source = torch.tensor(offsets) + start
-                self.assertTrue(torch.equal(moved[b, :, start : start + width], expected[b, :, source]))
-                # Entries before `start` and past what moved stay as they were.
-                self.assertTrue(torch.equal(moved[b, :, :start], expected[b, :, :start]))
-                self.assertTrue(torch.equal(moved[b, :, start + width :], expected[b, :, start + width :]))
+    def test_a_pad_token_no_longer_resolved_is_named(self):
+        original = GenerationMixin._prepare_special_tokens
+
+        def _prepare_special_tokens(self, generation_config, *args, **kwargs):
+            original(self, generation_config, *args, **kwargs)
+            del generation_config._pad_token_tensor
+
+        with mock.patch.object(GenerationMixin, "_prepare_special_tokens", _prepare_special_tokens):
+            problems = check_private_apis()
+        self.assertEqual(len(problems), 1)
+        self.assertIn("_pad_token_tensor", problems[0])
 
 
-class TokenStoppingCriteriaTest(unittest.TestCase):
-    def test_decides_as_the_default_criteria(self):
-        criteria = StoppingCriteriaList([MaxLengthCriteria(6), EosTokenCriteria([2, 5])])
-        stops = TokenStoppingCriteria.of(criteria)
-        for tokens in ([1, 3, 4], [1, 3, 2], [1, 3, 5], [1, 3, 4, 4, 4, 4], [1, 3, 4, 4, 4, 2, 4]):
-            with self.subTest(tokens=tokens):
-                expected = bool(criteria(torch.tensor([tokens]), None).any())
-                self.assertEqual(stops(len(tokens), tokens[-1]), expected)
+class BecomeTest(unittest.TestCase):
+    def test_takes_over_an_instance_of_the_transformers_class_only(self):
+        class Hooks(BatchProcessorHooks):
+            pass
 
-    def test_other_criteria_are_left_to_themselves(self):
-        class Never(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-        self.assertIsNone(TokenStoppingCriteria.of(StoppingCriteriaList([MaxLengthCriteria(6), Never()])))
-        # Past `max_position_embeddings`, `MaxLengthCriteria` warns: the criteria themselves are asked there.
-        stops = TokenStoppingCriteria.of(StoppingCriteriaList([MaxLengthCriteria(9, max_position_embeddings=4)]))
-        self.assertFalse(stops(4, 1))
-        self.assertIsNone(stops(5, 1))
+        stock = object.__new__(ContinuousBatchProcessor)
+        self.assertIs(become(stock, Hooks), stock)
+        self.assertIsInstance(stock, Hooks)
+        with self.assertRaisesRegex(TypeError, "extends ContinuousBatchProcessor"):
+            become(object.__new__(ContinuousBatchingManager), Hooks)

@@ -5,13 +5,14 @@ import torch
 from parameterized import parameterized
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import LogitsProcessor
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.compatibility import compile_config, set_attention_implementation_unchecked
 from transformers_lookahead.cost_model import COST_GRID, StepCostModel
-from transformers_lookahead.lookahead_decoding import compiled_buckets
+from transformers_lookahead.lookahead_decoding import TokenStoppingCriteria, compiled_buckets
 from transformers_lookahead.step_policy import AdaptiveStepPolicy
 
 from .utils import (
@@ -505,3 +506,24 @@ class HostTransfersTest(unittest.TestCase):
             self.assertGreater(len(steps), 10)
             self.assertEqual([len(reads) for reads in steps if len(reads) != 1], [], [r for r in steps if len(r) != 1])
             self.assertLessEqual(len(counter.segments[-1]), 2, counter.segments[-1])
+
+
+class TokenStoppingCriteriaTest(unittest.TestCase):
+    def test_decides_as_the_default_criteria(self):
+        criteria = StoppingCriteriaList([MaxLengthCriteria(6), EosTokenCriteria([2, 5])])
+        stops = TokenStoppingCriteria.of(criteria)
+        for tokens in ([1, 3, 4], [1, 3, 2], [1, 3, 5], [1, 3, 4, 4, 4, 4], [1, 3, 4, 4, 4, 2, 4]):
+            with self.subTest(tokens=tokens):
+                expected = bool(criteria(torch.tensor([tokens]), None).any())
+                self.assertEqual(stops(len(tokens), tokens[-1]), expected)
+
+    def test_other_criteria_are_left_to_themselves(self):
+        class Never(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        self.assertIsNone(TokenStoppingCriteria.of(StoppingCriteriaList([MaxLengthCriteria(6), Never()])))
+        # Past `max_position_embeddings`, `MaxLengthCriteria` warns: the criteria themselves are asked there.
+        stops = TokenStoppingCriteria.of(StoppingCriteriaList([MaxLengthCriteria(9, max_position_embeddings=4)]))
+        self.assertFalse(stops(4, 1))
+        self.assertIsNone(stops(5, 1))

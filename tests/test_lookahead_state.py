@@ -13,42 +13,33 @@ import torch
 
 from transformers_lookahead import LookaheadConfig, LookaheadState, enable_lookahead
 from transformers_lookahead import generate as lookahead_generate
-from transformers_lookahead.cost_model import StepCostModel, measure_step_costs
+from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.step_policy import PolicyEstimates
 
-from .utils import random_prompt, tiny_model
-
-GRID = (1, 2, 4, 8)
-
-
-def _counting_measurements():
-    return mock.patch(
-        "transformers_lookahead.cost_model.measure_step_costs",
-        side_effect=lambda model, encoder_outputs=None: measure_step_costs(model, GRID),
-    )
+from .utils import MeasurementCounter, random_prompt, tiny_model
 
 
 class LookaheadStateTest(unittest.TestCase):
     def test_cost_table_is_measured_once_per_state_and_kept_on_disk(self):
         model = tiny_model("llama")
-        with tempfile.TemporaryDirectory() as tmp, _counting_measurements() as measure:
+        with tempfile.TemporaryDirectory() as tmp, MeasurementCounter() as measure:
             state = LookaheadState(cost_dir=tmp)
             first = state.cost_model(model)
             self.assertIs(state.cost_model(model), first)
-            self.assertEqual(measure.call_count, 1)
+            self.assertEqual(measure.count, 1)
             self.assertEqual(len(list(Path(tmp).glob("step-cost-*.json"))), 1)
             LookaheadState(cost_dir=tmp).cost_model(model)
-            self.assertEqual(measure.call_count, 1, "a new state reads the kept table")
+            self.assertEqual(measure.count, 1, "a new state reads the kept table")
 
     def test_no_directory_writes_nothing(self):
         model = tiny_model("llama")
         with tempfile.TemporaryDirectory() as tmp, mock.patch.dict("os.environ", {"HOME": tmp, "HF_HOME": tmp}):
-            with _counting_measurements() as measure:
+            with MeasurementCounter() as measure:
                 state = LookaheadState(cost_dir=None)
                 state.cost_model(model)
                 state.cost_model(model)
                 LookaheadState(cost_dir=None).cost_model(model)
-            self.assertEqual(measure.call_count, 2, "kept in memory per state")
+            self.assertEqual(measure.count, 2, "kept in memory per state")
             self.assertEqual(list(Path(tmp).iterdir()), [])
 
     def test_estimates_per_shape(self):
@@ -90,10 +81,10 @@ class FixedPricingTest(unittest.TestCase):
 
     def test_a_given_table_is_used_without_measuring(self):
         table = StepCostModel({1: 1.0, 2: 1.0})
-        with tempfile.TemporaryDirectory() as folder, _counting_measurements() as measure:
+        with tempfile.TemporaryDirectory() as folder, MeasurementCounter() as measure:
             state = LookaheadState(cost_dir=folder, step_costs=table)
             self.assertIs(state.cost_model(tiny_model("llama")), table)
-            self.assertEqual(measure.call_count, 0)
+            self.assertEqual(measure.count, 0)
             self.assertEqual(list(Path(folder).iterdir()), [])
         self.assertIs(copy.deepcopy(state).step_costs, table)
         self.assertFalse(pickle.loads(pickle.dumps(LookaheadState(follow_durations=False))).follow_durations)

@@ -20,6 +20,7 @@ STRATEGY_MODULES = {
     "compatibility",
     "configuration_lookahead",
     "continuous_batching",
+    "cost_measurement",
     "cost_model",
     "generation_mixin",
     "grouped_attention",
@@ -136,6 +137,17 @@ class ImportGraphTest(unittest.TestCase):
         self.assertNotIn("lookahead_decoding", graph["continuous_batching"])
         for loop in ("lookahead_decoding", "continuous_batching"):
             self.assertIn("sequence_lookahead", graph[loop])
+
+    def test_pricing_is_a_leaf_the_policy_asks(self):
+        graph = package_imports(Path(transformers_lookahead.__file__).parent)
+        # What steps cost runs nothing; measuring a table runs steps, and the policy does not depend on that.
+        self.assertLessEqual(graph["cost_model"], {"auto_tuning"})
+        reached, todo = set(), ["step_policy"]
+        while todo:
+            for module in graph[todo.pop()] - reached:
+                reached.add(module)
+                todo.append(module)
+        self.assertTrue(reached.isdisjoint({"cost_measurement", "step_forward", "step_layout"}), reached)
 
     def test_a_cycle_is_found(self):
         self.assertEqual(import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}), ["a", "b", "c", "a"])

@@ -182,7 +182,6 @@ class SmolLM2HalfPrecisionTest(unittest.TestCase):
         methods: dict | None = None,
     ) -> dict[str, dict]:
         from types import SimpleNamespace
-        from unittest import mock
 
         from utils.faithfulness import run_departures, summarize_departures
 
@@ -200,10 +199,8 @@ class SmolLM2HalfPrecisionTest(unittest.TestCase):
                 prompts.append((prompt_id, category, ids, ids.shape[1]))
         args = SimpleNamespace(max_new_tokens=NEW_TOKENS, dtype=dtype, cache_implementation=cache)
         methods = methods or self.METHODS
-        with mock.patch.dict("utils.faithfulness.DEPARTURE_METHODS", methods, clear=True):
-            rows = {
-                row["method"]: row for row in summarize_departures(run_departures(args, model, tokenizer, prompts))
-            }
+        result = run_departures(args, model, tokenizer, prompts, methods)
+        rows = {row["method"]: row for row in summarize_departures(result)}
         for method in methods:
             with self.subTest(dtype=dtype, cache=cache, method=method):
                 self.assertEqual(rows[method]["off_greedy_tokens"], 0, rows[method])

@@ -1,10 +1,11 @@
+import dataclasses
 import unittest
 
 import torch
 from transformers import LogitsProcessorList
 
 from transformers_lookahead import LookaheadConfig
-from transformers_lookahead.cost_model import StepCostModel
+from transformers_lookahead.cost_model import StepCostModel, StepPricing
 from transformers_lookahead.sequence_lookahead import (
     CandidateSource,
     ContextCandidates,
@@ -33,9 +34,12 @@ class FixedPath(CandidateSource):
         tree.add_path(self.path[:depth])
 
 
-def _sequence(config: LookaheadConfig, limit: int = 40, recall=lambda key: None) -> SequenceLookahead:
-    factory = LookaheadFactory(config, window_size=3, do_sample=False, recall=recall)
-    return factory.build(list(TEXT), limit, GreedyVerifier(LogitsProcessorList()), FLAT)
+def _sequence(
+    config: LookaheadConfig, limit: int = 40, recall=lambda key: None, pricing: StepPricing | None = None
+) -> SequenceLookahead:
+    pricing = pricing or (StepPricing(FLAT) if config.adaptive else None)
+    factory = LookaheadFactory(config, window_size=3, do_sample=False, recall=recall, pricing=pricing)
+    return factory.build(list(TEXT), limit, GreedyVerifier(LogitsProcessorList()))
 
 
 class LookaheadFactoryTest(unittest.TestCase):
@@ -62,6 +66,26 @@ class LookaheadFactoryTest(unittest.TestCase):
         self.assertIsNotNone(sequence.context)
         self.assertEqual(asked, [(*sequence.policy.shape, False)], "greedy calls carry their own estimates")
         self.assertEqual(sequence.policy.estimates(), learnt)
+
+    def test_sequences_share_one_pricing_that_starts_from_the_last_call_once(self):
+        config = LookaheadConfig(window="auto", ngram=3)
+        learnt = dataclasses.replace(_sequence(config).policy.estimates(), excess_scale=2.0, underpricing=((4, 1.5),))
+        pricing = StepPricing(FLAT, timed=True)
+        factory = LookaheadFactory(config, window_size=3, do_sample=False, recall=lambda key: learnt, pricing=pricing)
+        first = factory.build(list(TEXT), 40, GreedyVerifier(LogitsProcessorList()))
+        self.assertIs(first.policy.pricing, pricing)
+        self.assertEqual(pricing.learnt(), (2.0, ((4, 1.5),)))
+        # What the loop's steps teach it is kept when a later sequence joins (a continuous-batching request).
+        pricing.observe(1, 0.01)
+        pricing.observe(8, 0.04)
+        taught = pricing.learnt()
+        second = factory.build(list(TEXT), 40, GreedyVerifier(LogitsProcessorList()))
+        self.assertIs(second.policy.pricing, pricing)
+        self.assertEqual(pricing.learnt(), taught)
+        self.assertNotEqual(taught, (2.0, ((4, 1.5),)))
+        carried = factory.estimates([first.policy, second.policy])
+        self.assertEqual((carried.excess_scale, carried.underpricing), taught)
+        self.assertEqual(carried.match_rate, learnt.match_rate)
 
 
 class OfferCandidatesTest(unittest.TestCase):

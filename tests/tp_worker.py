@@ -14,7 +14,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -179,17 +178,16 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
         rank = dist.get_rank()
         report["tp_size"] = model.tp_size
-        enable_lookahead(model, state=LookaheadState(cost_dir=None))
-        with mock.patch.object(LookaheadState, "cost_model", return_value=COSTS[min(rank, 1)]):
-            if args.real_prompts:
-                report[Path(folder).name] = real_model_cases(model, folder, args.new_tokens)
-            else:
-                report[Path(folder).name] = greedy_cases(model, args.new_tokens)
+        # Each rank's own table: rank 0's must decide every rank's steps.
+        enable_lookahead(model, state=LookaheadState(cost_dir=None, step_costs=COSTS[min(rank, 1)]))
+        if args.real_prompts:
+            report[Path(folder).name] = real_model_cases(model, folder, args.new_tokens)
+        else:
+            report[Path(folder).name] = greedy_cases(model, args.new_tokens)
     if args.bfloat16:
         model = AutoModelForCausalLM.from_pretrained(args.bfloat16, tp_plan="auto", dtype=torch.bfloat16).eval()
-        enable_lookahead(model, state=LookaheadState(cost_dir=None))
-        with mock.patch.object(LookaheadState, "cost_model", return_value=COSTS[min(dist.get_rank(), 1)]):
-            report["bfloat16"] = bfloat16_cases(model, args.new_tokens)
+        enable_lookahead(model, state=LookaheadState(cost_dir=None, step_costs=COSTS[min(dist.get_rank(), 1)]))
+        report["bfloat16"] = bfloat16_cases(model, args.new_tokens)
     if args.sampling:
         model = AutoModelForCausalLM.from_pretrained(args.sampling, tp_plan="auto", dtype=torch.float32).eval()
         enable_lookahead(model, state=LookaheadState(cost_dir=None))

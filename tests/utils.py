@@ -5,6 +5,7 @@ server's stream.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
@@ -233,3 +234,23 @@ class HostReadCounter(torch.overrides.TorchFunctionMode):
             )
             self.segments[-1].append(f"{getattr(func, '__name__', func)} at {caller}")
         return func(*args, **kwargs)
+
+
+class MeasurementCounter(logging.Handler):
+    """Counts the cost-table measurements a block makes, by the warning each one logs (see `cost_measurement`)."""
+
+    LOGGER = "transformers_lookahead.cost_measurement"
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "measuring the cost of forward passes" in record.getMessage()
+
+    def __enter__(self) -> MeasurementCounter:
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from transformers_lookahead import enable_lookahead  # noqa: E402
-from transformers_lookahead.cost_model import measure_step_costs  # noqa: E402
+from transformers_lookahead.cost_measurement import measure_step_costs  # noqa: E402
 from utils.assets import (  # noqa: E402
     SAMPLING_RATE,
     chat_input_ids,

@@ -145,7 +145,7 @@ def _step_offset(accepted_per_step: tuple[int, ...], position: int) -> int | Non
     return None
 
 
-def run_departures(args, model, tokenizer, prompts) -> dict:
+def run_departures(args, model, tokenizer, prompts, methods: dict | None = None) -> dict:
     """
     For every prompt: plain greedy, then each method of `DEPARTURE_METHODS` (the batched baseline pairs the prompt
     with the next one), and the first position where each departs from plain greedy within `args.max_new_tokens`.
@@ -156,7 +156,10 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
 
     Args:
         prompts (`list`): `(prompt_id, category, input_ids, prompt_length)` as the benchmark builds them.
+        methods (`dict`, *optional*): name -> `generate` settings (`None`: the batched baseline), by default
+            `DEPARTURE_METHODS`.
     """
+    methods = DEPARTURE_METHODS if methods is None else methods
     from tqdm.auto import tqdm
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -169,7 +172,9 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
         reference = _new_tokens(plain.sequences[0], prompt_length, pad_id, tokenizer.eos_token_id)
         margins = [float(scores[0].topk(2).values.diff().abs()) for scores in plain.scores[: len(reference)]]
         departures, details, off_greedy, forwards = {}, {}, {}, {}
-        for method, kwargs in DEPARTURE_METHODS.items():
+        # Methods often depart into the same text: plain greedy is run along each distinct text once.
+        counted: dict[tuple[int, ...], int] = {}
+        for method, kwargs in methods.items():
             if kwargs is None:
                 neighbour = prompts[(index + 1) % len(prompts)][2]
                 batch = left_padded([ids, neighbour], pad_id)
@@ -191,7 +196,9 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                     "margin": margins[departure],
                     "step_offset": None if steps is None else _step_offset(steps, departure),
                 }
-            off_greedy[method] = _off_greedy_count(model, ids, generated, departure, **own_cache)
+            if departure is not None and tuple(generated) not in counted:
+                counted[tuple(generated)] = _off_greedy_count(model, ids, generated, departure, **own_cache)
+            off_greedy[method] = counted.get(tuple(generated), 0)
         results.append(
             {
                 "prompt_id": prompt_id,
@@ -204,7 +211,13 @@ def run_departures(args, model, tokenizer, prompts) -> dict:
                 "margins": margins,
             }
         )
-    return {"prompts": results, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "cache": cache}
+    return {
+        "prompts": results,
+        "methods": list(methods),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "cache": cache,
+    }
 
 
 def cache_kwargs(cache: str, input_length: int, max_new_tokens: int) -> dict:
@@ -240,7 +253,7 @@ def summarize_departures(result: dict) -> list[dict]:
     """
     everywhere = [margin for entry in result["prompts"] for margin in entry.get("margins", [])]
     rows = []
-    for method in DEPARTURE_METHODS:
+    for method in result.get("methods", DEPARTURE_METHODS):
         positions = [entry["departures"][method] for entry in result["prompts"]]
         departed = [position for position in positions if position is not None]
         at = [entry["at_departure"][method] for entry in result["prompts"] if method in entry.get("at_departure", {})]

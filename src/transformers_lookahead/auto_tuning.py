@@ -43,7 +43,7 @@ class AutoTuning:
         duration_smoothing (`float`): how fast measured step durations move the cost table's excess over one token.
         excess_scale_range (`tuple[float, float]`): the bounds of one duration's measured excess factor.
         underpricing_range (`tuple[float, float]`): the bounds of one duration's measured cost over what the excess
-            factor explains (see `AdaptiveStepPolicy.observe_duration`).
+            factor explains (see `StepPricing.observe`).
         engine_steps_kept (`int`): the latest steps of a continuous-batching engine its cost is fitted to.
         engine_steps_needed (`int`): the steps an engine must have run before its own fit prices its steps (the
             cost table does until then).

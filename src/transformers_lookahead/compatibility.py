@@ -1,9 +1,10 @@
 """
 The private Transformers APIs lookahead decoding relies on, in one place.
 
-Upstream, `generate` would call these internals directly. As a separate package it reaches them only through this
-module, so that a Transformers release that renames or changes one of them breaks here, in one place, and
-`tests/test_compatibility.py` says which one moved (CI runs it against the oldest and the newest Transformers
+Upstream, `generate` and the continuous-batching engine would call these internals directly. As a separate package
+it reaches them only through this module (accessors, and the hooks its continuous-batching engine subclasses), so
+that a Transformers release that renames or changes one of them breaks here, in one place, and `check_private_apis`
+says which one moved (`tests/test_compatibility.py` runs it against the oldest and the newest Transformers
 `setup.py` allows).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +28,6 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     RepetitionPenaltyLogitsProcessor,
-    StoppingCriteriaList,
     SynthIDTextWatermarkLogitsProcessor,
 )
 from transformers.cache_utils import (
@@ -36,6 +37,12 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.generation.continuous_batching import cb_logits_processors
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+)
+from transformers.generation.continuous_batching.requests import RequestState
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 if TYPE_CHECKING:
@@ -48,6 +55,14 @@ if TYPE_CHECKING:
 # may move the private APIs below.
 TRANSFORMERS_REQUIREMENT = (">=5.24", "<6")
 TORCH_REQUIREMENT = (">=2.4",)
+
+# Transformers' per-request warpers (`per_request_processors=True`, as `transformers serve --continuous-batching`
+# sets), and the request setting each reads.
+PER_REQUEST_WARPERS = {
+    "ContinuousBatchingTemperatureLogitsWarper": "temperature",
+    "ContinuousBatchingTopKLogitsWarper": "top_k",
+    "ContinuousBatchingTopPLogitsWarper": "top_p",
+}
 
 # Cache layer classes whose `crop` puts them back as they were before a step (see `CacheCommitter`).
 ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)
@@ -122,47 +137,6 @@ def length_on_device(layer: CacheLayerMixin) -> bool:
     return type(layer) is StaticLayer
 
 
-class EntryMoves:
-    """
-    The copies a cache commit makes in every layer: in row b, the entry `start + index[b][j]` goes to `start + j`.
-    Built once per step and applied to each layer (`apply`), so that the index tensors are built once per step
-    rather than once per layer (0.6 -> 0.3 ms per step over SmolLM2's 30 layers, bf16, measured).
-
-    One row moves by `index_select` and `index_copy_` (about a third of a gather's time, CPU, measured), several
-    rows by one `gather` per tensor.
-
-    Args:
-        index (`list[list[int]]`): per row, the offsets from `start` of its entries, in their new order.
-    """
-
-    def __init__(self, index: list[list[int]]):
-        self.index = index
-        self.width = len(index[0])
-        # Per layer start and device (one row) or per layer shape (several rows): the index tensors placed there.
-        self._placed: dict[tuple, tuple[torch.LongTensor, ...]] = {}
-
-    def apply(self, layer: CacheLayerMixin, start: int) -> None:
-        """Makes the moves in the layer's `keys` and `values` (batch, heads, positions, head_dim), in place."""
-        device = layer.keys.device
-        if len(self.index) == 1:
-            key = (start, device)
-            if key not in self._placed:
-                source = torch.tensor(self.index[0], device=device) + start
-                self._placed[key] = (source, torch.arange(start, start + self.width, device=device))
-            source, target = self._placed[key]
-            layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
-            layer.values.index_copy_(2, target, layer.values.index_select(2, source))
-            return
-        shape = (*layer.keys.shape[:2], self.width, layer.keys.shape[-1])
-        if shape not in self._placed:
-            self._placed[shape] = (torch.tensor(self.index, device=device)[:, None, :, None].expand(shape),)
-        (source,) = self._placed[shape]
-        keys = torch.gather(layer.keys[:, :, start:], 2, source)
-        values = torch.gather(layer.values[:, :, start:], 2, source)
-        layer.keys[:, :, start : start + self.width] = keys
-        layer.values[:, :, start : start + self.width] = values
-
-
 def can_roll_back(layer: CacheLayerMixin) -> bool:
     """
     Whether `crop` puts the layer back as it was before a step: its class is one of `ROLLBACK_LAYERS` exactly
@@ -222,51 +196,6 @@ def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: in
     return adapted
 
 
-class TokenStoppingCriteria:
-    """
-    `generate`'s default stopping criteria (`MaxLengthCriteria`, `EosTokenCriteria`), decided on the host from a
-    sequence's length and its last token. Lookahead checks the criteria after every accepted token; calling the
-    criteria list builds tensors each time (about 70 us per token here, against about 3 us for these comparisons,
-    SmolLM2 bf16, measured), which a step accepting many tokens pays many times.
-
-    Args:
-        max_length (`int` or `None`): `MaxLengthCriteria.max_length`.
-        eos_token_ids (`set[int]`): `EosTokenCriteria.eos_token_id`'s tokens.
-        max_position_embeddings (`int` or `None`): past this length `MaxLengthCriteria` logs a warning, so the
-            criteria themselves decide there.
-    """
-
-    def __init__(self, max_length: int | None, eos_token_ids: set[int], max_position_embeddings: int | None):
-        self.max_length = max_length
-        self.eos_token_ids = eos_token_ids
-        self.max_position_embeddings = max_position_embeddings
-
-    @classmethod
-    def of(cls, criteria: StoppingCriteriaList) -> TokenStoppingCriteria | None:
-        """The host form of `criteria`, or `None` unless each criterion is exactly one of the two default classes."""
-        if any(type(criterion) not in (MaxLengthCriteria, EosTokenCriteria) for criterion in criteria):
-            return None
-        max_length = max_position_embeddings = None
-        eos_token_ids: set[int] = set()
-        for criterion in criteria:
-            if isinstance(criterion, MaxLengthCriteria):
-                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
-                if criterion.max_position_embeddings is not None:
-                    max_position_embeddings = criterion.max_position_embeddings
-            else:
-                eos_token_ids.update(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
-        return cls(max_length, eos_token_ids, max_position_embeddings)
-
-    def __call__(self, length: int, token: int) -> bool | None:
-        """
-        Whether the criteria fire on a sequence of `length` tokens (padding included) that ends with `token`, or
-        `None` where the criteria list must be asked instead.
-        """
-        if self.max_position_embeddings is not None and length > self.max_position_embeddings:
-            return None
-        return token in self.eos_token_ids or (self.max_length is not None and length >= self.max_length)
-
-
 def mark_as_user_config(generation_config: GenerationConfig) -> None:
     """
     Flags a generation config as the user's (`GenerationConfig._from_model_config = False`): configs flagged as
@@ -305,11 +234,18 @@ def check_private_apis() -> list[str]:
         "`GenerationMixin._valid_auto_compile_criteria(self, model_kwargs, generation_config)` "
         "(used by `can_auto_compile`)",
     )
-    prepare_special_tokens = getattr(GenerationMixin, "_prepare_special_tokens", None)
+    # What `generate` resolves for a call, read back as `pad_token_id` does.
+    special_tokens = GenerationConfig(pad_token_id=3, eos_token_id=2)
+    decoder_only = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(is_encoder_decoder=False))
+    try:
+        GenerationMixin._prepare_special_tokens(decoder_only, special_tokens, True, torch.device("cpu"))
+        resolved = pad_token_id(special_tokens)
+    except (AttributeError, TypeError) as error:
+        resolved = error
     expect(
-        prepare_special_tokens is not None and "_pad_token_tensor" in inspect.getsource(prepare_special_tokens),
-        "`GenerationConfig._pad_token_tensor`, set by `GenerationMixin._prepare_special_tokens` (used by "
-        "`pad_token_id`)",
+        resolved == 3,
+        "`GenerationConfig._pad_token_tensor`, set by `GenerationMixin._prepare_special_tokens(generation_config, "
+        f"kwargs_has_attention_mask, device)` (used by `pad_token_id`; got {resolved!r})",
     )
     expect(
         hasattr(GenerationConfig(), "_from_model_config"),
@@ -370,7 +306,7 @@ def check_private_apis() -> list[str]:
         getattr(getattr(layer, "keys", None), "shape", None) == (1, 2, 3, 4)
         and getattr(getattr(layer, "values", None), "shape", None) == (1, 2, 3, 4),
         "cache layers' `keys` / `values` tensors of shape (batch, heads, positions, head_dim) (written in place by "
-        "`EntryMoves`)",
+        "`cache_commit.EntryMoves`)",
     )
     expect(
         hasattr(CompileConfig(), "_compile_all_devices"),
@@ -383,6 +319,72 @@ def check_private_apis() -> list[str]:
     expect(
         "_device_mesh" in dir(PreTrainedModel) and "tp_size" in dir(PreTrainedModel),
         "`PreTrainedModel._device_mesh` and `tp_size` (used by `tensor_parallel_group`)",
+    )
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.scheduler import Scheduler
+
+    for name in ("prepare_next_batch", "_generation_step", "update_batch", "reset"):
+        expect(callable(getattr(ContinuousBatchProcessor, name, None)), f"`ContinuousBatchProcessor.{name}`")
+    expect(
+        parameters(ContinuousBatchProcessor._generation_step) == ["self", "model"],
+        "`ContinuousBatchProcessor._generation_step(self, model)` (reached by `BatchProcessorHooks`)",
+    )
+    expect(
+        parameters(ContinuousBatchingManager._create_batch_processor) == ["self"],
+        "`ContinuousBatchingManager._create_batch_processor(self)` (reached by `ManagerHooks`)",
+    )
+    expect(
+        "_requests_to_fork" in inspect.getsource(ContinuousBatchProcessor.update_batch),
+        "`ContinuousBatchProcessor.update_batch` handles forks and nothing else besides tokens (replaced whole)",
+    )
+    prepare = inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
+    expect(
+        "range(past_length, past_length + query_length)" in prepare and "build_attention_mask" in prepare,
+        "`ContinuousBatchingIOs.prepare_batch_tensors` lays a request's query tokens at consecutive positions under "
+        "a causal mask (what `LookaheadBatching.lay_out` rewrites)",
+    )
+    for name in (
+        "position_ids",
+        "cumulative_seqlens_q",
+        "cumulative_seqlens_k",
+        "attention_mask",
+        "requests_in_batch",
+    ):
+        expect(name in inspect.getsource(ContinuousBatchingIOs), f"`ContinuousBatchingIOs.{name}`")
+    expect(
+        parameters(FullAttentionCacheAllocator.get_write_indices)
+        == ["self", "request_id", "past_length", "query_length"]
+        and "_kv_token_views" in inspect.getsource(FullAttentionCacheAllocator.update),
+        "`FullAttentionCacheAllocator.get_write_indices` and `_kv_token_views` (used by `move_accepted_entries`)",
+    )
+    expect(
+        "block_table" in inspect.getsource(CacheAllocator.free_blocks)
+        and "ledger.release" in inspect.getsource(CacheAllocator.free_blocks),
+        "`CacheAllocator.block_table` and `ledger.release` (used by `release_pages_past`)",
+    )
+    for name, setting in PER_REQUEST_WARPERS.items():
+        warper = getattr(cb_logits_processors, name, None)
+        expect(
+            warper is not None and warper.supported_kwargs == {setting: int if setting == "top_k" else float},
+            f"`{name}` reads the request's `{setting}` (rebuilt per request by `request_processors`)",
+        )
+    state = RequestState(request_id="check", initial_tokens=[1, 2], max_new_tokens=2)
+    expect(
+        isinstance(getattr(state, "logit_processor_kwargs", None), dict),
+        "`RequestState.logit_processor_kwargs` (a request's own sampling settings)",
+    )
+    expect(
+        all(hasattr(state, name) for name in ("tokens_to_process", "position_offset", "generated_tokens")),
+        "`RequestState.tokens_to_process`, `position_offset` and `generated_tokens` (read and set per step)",
+    )
+    expect(
+        "state.tokens_to_process" in inspect.getsource(Scheduler._infer_request_tokens),
+        "`Scheduler._infer_request_tokens` schedules a decoding request's `tokens_to_process` (how a block reaches "
+        "the batch)",
     )
     return problems
 
@@ -402,3 +404,105 @@ def tensor_parallel_group(model: PreTrainedModel) -> Any | None:
     if mesh is None:
         return dist.group.WORLD
     return mesh.get_group("tp") if mesh.ndim > 1 else mesh.get_group()
+
+
+# Transformers' continuous-batching engine (`transformers.generation.continuous_batching`): the lookahead engine
+# subclasses its processor and manager, and reaches into its paged cache.
+
+
+class BatchProcessorHooks(ContinuousBatchProcessor):
+    """
+    Transformers' `ContinuousBatchProcessor`, whose forward step (`_generation_step`) a subclass replaces by
+    overriding `forward_step`.
+    """
+
+    def _generation_step(self, model: torch.nn.Module) -> None:
+        self.forward_step(model)
+
+    def forward_step(self, model: torch.nn.Module) -> None:
+        """Runs the batch through `model` (Transformers' own step unless overridden)."""
+        super()._generation_step(model)
+
+
+class ManagerHooks(ContinuousBatchingManager):
+    """
+    Transformers' `ContinuousBatchingManager`, whose batch processor (`_create_batch_processor`) a subclass takes
+    over by overriding `adopt_processor`.
+    """
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        return self.adopt_processor(super()._create_batch_processor())
+
+    def adopt_processor(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
+        """The processor the engine runs, given the one Transformers built (that one unless overridden)."""
+        return processor
+
+
+def become(instance: Any, cls: type) -> Any:
+    """
+    Makes `instance`, built by Transformers, an instance of its subclass `cls`, which adds no state of its own to
+    what `__init__` set. Transformers builds the engine's manager and processor each in one method, with a dozen
+    collaborators; taking those objects over keeps every one of them as Transformers made it.
+    """
+    base = next(klass for klass in cls.__mro__ if klass.__module__.startswith("transformers."))
+    if not isinstance(instance, base):
+        raise TypeError(f"{cls.__name__} extends {base.__name__}, not {type(instance).__name__}.")
+    instance.__class__ = cls
+    return instance
+
+
+def kept_continuous_batching_manager(model: PreTrainedModel) -> Any | None:
+    """The manager a `persistent_manager=True` session left on the model (`_cached_continuous_batching_manager`)."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+def move_accepted_entries(cache: Any, moves: list[tuple[str, int, int, int, list[int]]]) -> None:
+    """
+    Copies each request's accepted tree entries to the positions right after its pending token, in every layer.
+
+    Args:
+        cache (`PagedAttentionCache`): the engine's cache.
+        moves (`list[tuple]`): per request: its id, its pending token's position, its step length, the index in its
+            step of the first tree node, and the accepted nodes (top down).
+    """
+    for allocator in cache.cache_allocators.values():
+        source, target = [], []
+        for request_id, past, length, tree_start, nodes in moves:
+            slots = allocator.get_write_indices(request_id, past, length)
+            for depth, node in enumerate(nodes, start=1):
+                if tree_start + node != depth:
+                    source.append(slots[tree_start + node])
+                    target.append(slots[depth])
+        if not source:
+            continue
+        device = allocator.cache_tensor.device
+        source_index = torch.tensor(source, dtype=torch.long, device=device)
+        target_index = torch.tensor(target, dtype=torch.long, device=device)
+        for layer_idx in allocator.layer_indices:
+            for view in allocator._kv_token_views[layer_idx]:
+                view.index_copy_(0, target_index, view.index_select(0, source_index))
+
+
+def release_pages_past(cache: Any, request_id: str, length: int) -> None:
+    """Gives back a request's pages past its first `length` positions (a step allocated pages for all its tokens)."""
+    for allocator in cache.cache_allocators.values():
+        table = allocator.block_table.get(request_id)
+        keep = -(-length // allocator.tokens_per_page)
+        if table is None or len(table) <= keep:
+            continue
+        spare = table[keep:]
+        del table[keep:]
+        cache.pool.free_blocks(allocator.index, [block for block in spare if allocator.ledger.release(block, True)])
+
+
+def mark_kept_blocks(cache: Any, state: RequestState, past: int) -> None:
+    """Registers for prefix sharing the pages a step completed with accepted entries only (not the whole step's)."""
+    kept_length = state.position_offset
+    complete = {}
+    for name, allocator in cache.cache_allocators.items():
+        page = allocator.tokens_per_page
+        count = kept_length // page - past // page
+        if count > 0:
+            complete[name] = count
+    if complete:
+        cache.mark_complete_blocks(state, complete)

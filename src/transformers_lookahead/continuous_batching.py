@@ -7,15 +7,14 @@ its candidates (`StepLayout.row`), with its own mask over its own paged KV. The 
 own, keeps the accepted entries (copying them into place in the request's pages), and gives back the pages past
 what it kept. Prefill, chunked prefill, scheduling and requests joining and leaving stay Transformers' own.
 
-As a separate package this reaches into Transformers' continuous-batching internals. Every one of those reaches is
-in this module, and `check_continuous_batching_apis` names what moved when a Transformers release changes them
-(`tests/test_continuous_batching.py` runs it).
+As a separate package this reaches into Transformers' continuous-batching internals: every one of those reaches is
+in `compatibility.py` (the processor's and manager's hooks, the paged cache's moves and pages), whose
+`check_private_apis` names what moved when a Transformers release changes them.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,9 +41,21 @@ from transformers.generation.continuous_batching.requests import (
 )
 
 from .auto_tuning import AUTO_TUNING
-from .compatibility import attention_implementation, processors_for_row
+from .compatibility import (
+    PER_REQUEST_WARPERS,
+    BatchProcessorHooks,
+    ManagerHooks,
+    attention_implementation,
+    become,
+    kept_continuous_batching_manager,
+    mark_kept_blocks,
+    move_accepted_entries,
+    processors_for_row,
+    release_pages_past,
+)
 from .configuration_lookahead import LookaheadConfig
-from .cost_model import EngineStepCost, StepCostModel, model_key
+from .cost_measurement import model_key
+from .cost_model import EngineStepCost, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
 from .step_forward import max_positions
@@ -64,13 +75,6 @@ MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
 # At most this share of a batch's token budget goes to lookahead blocks while requests wait for their prefill, so
 # that speculation never holds new requests back for long.
 SHARE_WHILE_REQUESTS_WAIT = 0.5
-# Transformers' per-request warpers (`per_request_processors=True`, as `transformers serve --continuous-batching`
-# sets), and the request setting each reads.
-PER_REQUEST_WARPERS = {
-    "ContinuousBatchingTemperatureLogitsWarper": "temperature",
-    "ContinuousBatchingTopKLogitsWarper": "top_k",
-    "ContinuousBatchingTopPLogitsWarper": "top_p",
-}
 
 
 @dataclass
@@ -162,14 +166,19 @@ class LookaheadBatching:
             )
         # Query and key tokens of the pass `lay_out` prepared, and the requests it verifies, for `observe_step`.
         self.step_shape: tuple[int, int, int] | None = None
+        self.pricing = None
         if config.adaptive:
             self.window_size = choose_window(cost, config.levels, AUTO_TUNING.max_window)
+            # The engine times whole steps itself (`EngineStepCost`), not through the policies' pricing.
+            self.pricing = StepPricing(cost)
         else:
             self.window_size = config.window
         self.memory: SuffixMemory | None = None
         if config.memory:
             self.memory = state.memory(model, config.memory_namespace, config.memory_size)
-        self.factory = LookaheadFactory(config, self.window_size, self.do_sample, state.recall, self.memory)
+        self.factory = LookaheadFactory(
+            config, self.window_size, self.do_sample, state.recall, self.memory, self.pricing
+        )
         # Only `row` is used: Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
         self.layout = StepLayout(
             self.window_size, config.levels, AttentionGroup(0, None), model.dtype, torch.device("cpu")
@@ -224,7 +233,7 @@ class LookaheadBatching:
             )
             cached = sum(lookahead.position for lookahead in lookaheads)
             engine_cost = self.engine_cost.for_batch(len(decoding), cached) if self.engine_cost else None
-            step_cost = engine_cost or lookaheads[0].policy.step_cost
+            step_cost = engine_cost or self.pricing
             budget = batch_step_length(offers, step_cost, tuple(lengths or [1]))
         room = self.max_batch_tokens
         for (request_id, state), lookahead, offer in zip(decoding, lookaheads, offers):
@@ -240,13 +249,11 @@ class LookaheadBatching:
             state.tokens_to_process = list(row.tokens)
 
     def _use_batch_cost(self, batch_size: int) -> None:
-        """A step of T tokens per request costs what `batch_size x T` tokens cost: each policy plans with that."""
-        if self.cost is None or batch_size == self._batch_size:
+        """A step of T tokens per request costs what `batch_size x T` tokens cost: the policies plan with that."""
+        if self.pricing is None or batch_size == self._batch_size:
             return
         self._batch_size = batch_size
-        cost = self.cost.for_batch(batch_size)
-        for lookahead in self.requests.values():
-            lookahead.policy.use_cost(cost)
+        self.pricing.use_table(self.cost.for_batch(batch_size))
 
     def unplan(self, scheduled: set[str], active: dict[str, RequestState]) -> None:
         """Puts back the pending token of the planned requests the scheduler left out of the step."""
@@ -343,7 +350,7 @@ class LookaheadBatching:
             if finished:
                 break
         if lookahead is None:
-            lookahead = self.factory.build(tokens, limit, verifier, self._policy_cost())
+            lookahead = self.factory.build(tokens, limit, verifier)
             self.requests[request_id] = lookahead
         elif step is not None:
             learn_from_step(lookahead, step.choice, step.row, verdict, kept, choices, self.config)
@@ -372,10 +379,6 @@ class LookaheadBatching:
         # One seed per request from torch's generator, as `generate` draws one per sequence.
         return SamplingVerifier(processors, PositionNoise(int(torch.randint(0, 2**62, (), device="cpu").item())))
 
-    def _policy_cost(self) -> StepCostModel | None:
-        """What a new request's policy prices steps by: a step of the batch as it is now (for `"auto"`)."""
-        return self.cost.for_batch(max(self._batch_size, 1)) if self.config.adaptive else None
-
     def finish(self, request_id: str) -> None:
         """Forgets a finished request; its text joins the suffix memory (when it is on)."""
         lookahead = self.requests.pop(request_id, None)
@@ -384,10 +387,12 @@ class LookaheadBatching:
         if self.memory is not None:
             self.state.add_to_memory(self.config.memory_namespace, [lookahead.tokens])
         if self.config.adaptive:
-            self.state.remember(self.factory.estimates_key(lookahead.policy), lookahead.policy.estimates())
+            self.state.remember(
+                self.factory.estimates_key(lookahead.policy), self.factory.estimates([lookahead.policy])
+            )
 
 
-class LookaheadBatchProcessor(ContinuousBatchProcessor):
+class LookaheadBatchProcessor(BatchProcessorHooks):
     """
     Transformers' `ContinuousBatchProcessor` whose steps carry lookahead blocks (see `LookaheadBatching`). Made by
     `adopt` from the processor Transformers built, so that everything else (scheduling, paging, offloading, prefix
@@ -398,9 +403,7 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
 
     @classmethod
     def adopt(cls, processor: ContinuousBatchProcessor, lookahead: LookaheadBatching) -> LookaheadBatchProcessor:
-        # The manager builds its processor in one method, with a dozen collaborators; taking that object over keeps
-        # every one of them as Transformers made it.
-        processor.__class__ = cls
+        processor = become(processor, cls)
         processor.lookahead = lookahead
         processor.step_rows = None
         processor.step_started = 0.0
@@ -423,7 +426,7 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
         return ready
 
     @torch.no_grad()
-    def _generation_step(self, model: torch.nn.Module) -> None:
+    def forward_step(self, model: torch.nn.Module) -> None:
         batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
         rows = self.step_rows
         batch["logits_indices"] = rows
@@ -469,15 +472,14 @@ class LookaheadBatchProcessor(ContinuousBatchProcessor):
             self.output_router.deliver_batch(outputs)
 
 
-class LookaheadContinuousBatchingManager(ContinuousBatchingManager):
+class LookaheadContinuousBatchingManager(ManagerHooks):
     """Transformers' `ContinuousBatchingManager` whose batch processor is a `LookaheadBatchProcessor`."""
 
     lookahead_config: LookaheadConfig
     lookahead_state: LookaheadState
     lookahead_cost: StepCostModel | None
 
-    def _create_batch_processor(self) -> ContinuousBatchProcessor:
-        processor = super()._create_batch_processor()
+    def adopt_processor(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
         if isinstance(processor, LookaheadBatchProcessor):
             return processor  # reused, and reset
         lookahead = LookaheadBatching(
@@ -528,7 +530,7 @@ def init_continuous_batching_with_lookahead(
     stock = _class_init_continuous_batching(model)
     generation = generation_config if generation_config is not None else model.generation_config
     config = LookaheadConfig.from_sources(generation or {}, getattr(model, "generation_config", None) or {})
-    if config is None or getattr(model, "_cached_continuous_batching_manager", None) is not None:
+    if config is None or kept_continuous_batching_manager(model) is not None:
         # Off, or a manager kept from an earlier session (`persistent_manager=True`), which the stock method returns.
         return stock(generation_config, continuous_batching_config, workload_hints)
     cb_config = _lookahead_cb_config(model, generation, continuous_batching_config)
@@ -543,7 +545,7 @@ def init_continuous_batching_with_lookahead(
     manager = stock(generation_config, cb_config, workload_hints)
     # The stock constructor resolves the engine's settings and switches the attention backend; the lookahead
     # manager differs only in the processor it builds.
-    manager.__class__ = LookaheadContinuousBatchingManager
+    manager = become(manager, LookaheadContinuousBatchingManager)
     manager.lookahead_config = config
     manager.lookahead_state = state
     manager.lookahead_cost = cost
@@ -603,9 +605,6 @@ def _lookahead_cb_config(
     return cb_config
 
 
-# The internals of Transformers' continuous batching this module reaches, in one place.
-
-
 def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:
     """
     The processors one request is verified with. With `per_request_processors=True` Transformers replaces the
@@ -639,138 +638,3 @@ def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]
                 processor = TopPLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
         own.append(processor)
     return own
-
-
-def move_accepted_entries(cache: Any, moves: list[tuple[str, int, int, int, list[int]]]) -> None:
-    """
-    Copies each request's accepted tree entries to the positions right after its pending token, in every layer.
-
-    Args:
-        cache (`PagedAttentionCache`): the engine's cache.
-        moves (`list[tuple]`): per request: its id, its pending token's position, its step length, the index in its
-            step of the first tree node, and the accepted nodes (top down).
-    """
-    for allocator in cache.cache_allocators.values():
-        source, target = [], []
-        for request_id, past, length, tree_start, nodes in moves:
-            slots = allocator.get_write_indices(request_id, past, length)
-            for depth, node in enumerate(nodes, start=1):
-                if tree_start + node != depth:
-                    source.append(slots[tree_start + node])
-                    target.append(slots[depth])
-        if not source:
-            continue
-        device = allocator.cache_tensor.device
-        source_index = torch.tensor(source, dtype=torch.long, device=device)
-        target_index = torch.tensor(target, dtype=torch.long, device=device)
-        for layer_idx in allocator.layer_indices:
-            for view in allocator._kv_token_views[layer_idx]:
-                view.index_copy_(0, target_index, view.index_select(0, source_index))
-
-
-def release_pages_past(cache: Any, request_id: str, length: int) -> None:
-    """Gives back a request's pages past its first `length` positions (a step allocated pages for all its tokens)."""
-    for allocator in cache.cache_allocators.values():
-        table = allocator.block_table.get(request_id)
-        keep = -(-length // allocator.tokens_per_page)
-        if table is None or len(table) <= keep:
-            continue
-        spare = table[keep:]
-        del table[keep:]
-        cache.pool.free_blocks(allocator.index, [block for block in spare if allocator.ledger.release(block, True)])
-
-
-def mark_kept_blocks(cache: Any, state: RequestState, past: int) -> None:
-    """Registers for prefix sharing the pages a step completed with accepted entries only (not the whole step's)."""
-    kept_length = state.position_offset
-    complete = {}
-    for name, allocator in cache.cache_allocators.items():
-        page = allocator.tokens_per_page
-        count = kept_length // page - past // page
-        if count > 0:
-            complete[name] = count
-    if complete:
-        cache.mark_complete_blocks(state, complete)
-
-
-def check_continuous_batching_apis() -> list[str]:
-    """
-    What of Transformers' continuous batching this module relies on no longer matches the installed release: one
-    sentence per API that moved, empty when all are in place.
-    """
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
-        FullAttentionCacheAllocator,
-    )
-    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
-    from transformers.generation.continuous_batching.scheduler import Scheduler
-
-    problems = []
-
-    def expect(condition: bool, message: str) -> None:
-        if not condition:
-            problems.append(message)
-
-    def parameters(function: Any) -> list[str]:
-        return list(inspect.signature(function).parameters) if callable(function) else []
-
-    for name in ("prepare_next_batch", "_generation_step", "update_batch", "reset"):
-        expect(callable(getattr(ContinuousBatchProcessor, name, None)), f"`ContinuousBatchProcessor.{name}`")
-    expect(
-        parameters(ContinuousBatchProcessor._generation_step) == ["self", "model"],
-        "`ContinuousBatchProcessor._generation_step(self, model)` (overridden by `LookaheadBatchProcessor`)",
-    )
-    expect(
-        parameters(ContinuousBatchingManager._create_batch_processor) == ["self"],
-        "`ContinuousBatchingManager._create_batch_processor(self)` (overridden by the lookahead manager)",
-    )
-    expect(
-        "_requests_to_fork" in inspect.getsource(ContinuousBatchProcessor.update_batch),
-        "`ContinuousBatchProcessor.update_batch` handles forks and nothing else besides tokens (replaced whole)",
-    )
-    prepare = inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
-    expect(
-        "range(past_length, past_length + query_length)" in prepare and "build_attention_mask" in prepare,
-        "`ContinuousBatchingIOs.prepare_batch_tensors` lays a request's query tokens at consecutive positions under "
-        "a causal mask (what `LookaheadBatching.lay_out` rewrites)",
-    )
-    for name in (
-        "position_ids",
-        "cumulative_seqlens_q",
-        "cumulative_seqlens_k",
-        "attention_mask",
-        "requests_in_batch",
-    ):
-        expect(name in inspect.getsource(ContinuousBatchingIOs), f"`ContinuousBatchingIOs.{name}`")
-    expect(
-        parameters(FullAttentionCacheAllocator.get_write_indices)
-        == ["self", "request_id", "past_length", "query_length"]
-        and "_kv_token_views" in inspect.getsource(FullAttentionCacheAllocator.update),
-        "`FullAttentionCacheAllocator.get_write_indices` and `_kv_token_views` (used by `move_accepted_entries`)",
-    )
-    expect(
-        "block_table" in inspect.getsource(CacheAllocator.free_blocks)
-        and "ledger.release" in inspect.getsource(CacheAllocator.free_blocks),
-        "`CacheAllocator.block_table` and `ledger.release` (used by `release_pages_past`)",
-    )
-    for name, setting in PER_REQUEST_WARPERS.items():
-        warper = getattr(cb_logits_processors, name, None)
-        expect(
-            warper is not None and warper.supported_kwargs == {setting: int if setting == "top_k" else float},
-            f"`{name}` reads the request's `{setting}` (rebuilt per request by `request_processors`)",
-        )
-    state = RequestState(request_id="check", initial_tokens=[1, 2], max_new_tokens=2)
-    expect(
-        isinstance(getattr(state, "logit_processor_kwargs", None), dict),
-        "`RequestState.logit_processor_kwargs` (a request's own sampling settings)",
-    )
-    expect(
-        all(hasattr(state, name) for name in ("tokens_to_process", "position_offset", "generated_tokens")),
-        "`RequestState.tokens_to_process`, `position_offset` and `generated_tokens` (read and set per step)",
-    )
-    expect(
-        "state.tokens_to_process" in inspect.getsource(Scheduler._infer_request_tokens),
-        "`Scheduler._infer_request_tokens` schedules a decoding request's `tokens_to_process` (how a block reaches "
-        "the batch)",
-    )
-    return problems

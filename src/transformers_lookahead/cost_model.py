@@ -1,56 +1,20 @@
-"""What a forward pass of T tokens costs on this model and device, measured once and kept (see `default_cost_dir`)."""
+"""
+What a step of T tokens costs: a model's measured table (`StepCostModel`, measured by `cost_measurement`), what the
+durations of the steps that ran teach about it (`StepPricing`), and a continuous-batching engine's own fit
+(`EngineStepCost`). Nothing here runs the model.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import statistics
-import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
-from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
-from transformers.utils import logging
 
-from .compatibility import attention_implementation
-from .step_forward import StepForward, max_positions
-from .step_layout import StepInputs, StepLayout
-from .token_tree import TokenTree
-
-logger = logging.get_logger(__name__)
+from .auto_tuning import AUTO_TUNING
 
 # Step lengths the cost is measured at; lengths in between are interpolated.
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
-_CONTEXT = 128
-_ROUNDS = 5
-# Untimed passes first: the first calls allocate and pick kernels.
-_WARM_UP = 3
-# How `measure_step_costs` measures; tables kept by an earlier method (noisier) are measured again.
-MEASUREMENT_METHOD = "interleaved-rounds-monotone"
-
-
-# Environment variable naming where measured cost tables are kept: a directory, or "off" to keep them in memory only.
-COST_DIR_VARIABLE = "TRANSFORMERS_LOOKAHEAD_COST_DIR"
-_OFF = ("off", "0", "false", "no", "")
-
-
-def default_cost_dir() -> Path | None:
-    """
-    Where measured cost tables are kept unless a `LookaheadState` says otherwise: `$TRANSFORMERS_LOOKAHEAD_COST_DIR`
-    if set (`None` when it is "off"), else `lookahead/step_costs` under the Hugging Face cache (`$HF_HOME`, by
-    default `~/.cache/huggingface`).
-    """
-    configured = os.environ.get(COST_DIR_VARIABLE)
-    if configured is not None:
-        return None if configured.strip().lower() in _OFF else Path(configured).expanduser()
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    hf_home = Path(os.environ.get("HF_HOME", cache_home / "huggingface")).expanduser()
-    return hf_home / "lookahead" / "step_costs"
 
 
 class StepCostModel:
@@ -93,50 +57,85 @@ class StepCostModel:
         base = self(batch_size)
         return StepCostModel({length: self(batch_size * length) / base for length in self.lengths})
 
-    @classmethod
-    def for_model(
-        cls, model: PreTrainedModel, cost_dir: str | os.PathLike | None = None, encoder_outputs: Any = None
-    ) -> StepCostModel:
+
+class StepPricing:
+    """
+    What a step of T tokens costs, in one-token steps of the batch, as the adaptive policy weighs it against the
+    tokens it expects.
+
+    The table's excess over one token is rescaled by a running factor learnt from the measured durations of the steps
+    that ran (tables measured on an idle machine drift when the load or the context length changes). What no factor
+    within its bounds explains, a step costlier than its table says by more than a factor of the excess can account
+    for (a table near flat where steps are not, as on a GPU driven by a slow host), is learnt per band of step lengths
+    (`length.bit_length()`) and multiplies their cost.
+
+    Args:
+        table (`StepCostModel`): the model's table, for a step of the batch as it is now (`use_table`).
+        timed (`bool`): whether the loop reports every step's duration (`observe`). Durations are judged against a
+            one-token step's: until one was timed, `wants_reference` asks the policy for one.
+    """
+
+    def __init__(self, table: StepCostModel, timed: bool = False):
+        self.table = table
+        self.timed = timed
+        self.excess_scale = 1.0
+        self.underpricing: dict[int, float] = {}
+        self._single_token_seconds: float | None = None
+
+    def __call__(self, length: int) -> float:
+        """The expected cost of a step of `length` tokens, in one-token steps."""
+        scaled = 1.0 + (self.table(length) - 1.0) * self.excess_scale
+        return scaled if length == 1 else scaled * self.underpricing.get(length.bit_length(), 1.0)
+
+    def use_table(self, table: StepCostModel) -> None:
+        """Prices with `table` from now on: the batch changed size, and with it what each token per row costs."""
+        self.table = table
+
+    @property
+    def wants_reference(self) -> bool:
+        """Whether durations are reported but no one-token step was timed yet."""
+        return self.timed and self._single_token_seconds is None
+
+    def start_from(self, excess_scale: float, underpricing: tuple[tuple[int, float], ...]) -> None:
         """
-        The cost table of `model` on its device, dtype and thread count: read from `cost_dir`, or measured (a few
-        dozen forward passes) and written there. An unreadable, corrupt or foreign file is measured again; a
-        directory that cannot be written only means the next process measures again (a warning says so).
+        Starts from what an earlier call learnt: on a device whose table is off, each call would otherwise spend its
+        first steps learning it again. The one-token time is not carried (it grows with the context).
+        """
+        self.excess_scale, self.underpricing = excess_scale, dict(underpricing)
+
+    def learnt(self) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """`(excess_scale, underpricing)`, for `start_from` in a later call."""
+        return self.excess_scale, tuple(sorted(self.underpricing.items()))
+
+    def observe(self, length: int, seconds: float) -> None:
+        """
+        Learns from the measured duration of a step.
 
         Args:
-            model (`PreTrainedModel`): the model.
-            cost_dir (`str` or `os.PathLike`, *optional*): where tables are kept; `None` measures without reading or
-                writing any file.
-            encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input
-                (batch size 1) for the decoder to attend to while it is timed.
+            length (`int`): the step's length T.
+            seconds (`float`): the time from the start of its forward pass to its verified tokens.
         """
-        path = None if cost_dir is None else Path(cost_dir) / f"step-cost-{model_key(model)}.json"
-        if path is not None:
-            try:
-                kept = json.loads(path.read_text())
-                if kept.get("method") == MEASUREMENT_METHOD:
-                    return cls({int(k): float(v) for k, v in kept["relative_costs"].items()})
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                pass  # Missing, corrupt or foreign (or measured the old way): measured again and replaced below.
-        # Seconds of forward passes before the first token (5 s for a 135M model on 2 CPU cores): said, not silent.
-        logger.warning(
-            f'Lookahead decoding ("auto"): measuring the cost of forward passes of 1 to {max(COST_GRID)} tokens for '
-            f"this model, dtype, device and thread count ({1 + _WARM_UP + _ROUNDS * len(COST_GRID)} forward passes, "
-            f"once); the table is kept {f'in {path}' if path is not None else 'in memory only'}. To measure ahead of "
-            "the first call (a server: before it starts), run `LookaheadState().cost_model(model)` once."
-        )
-        costs = measure_step_costs(model, encoder_outputs=encoder_outputs)
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.part")
-                partial.write_text(json.dumps({"method": MEASUREMENT_METHOD, "relative_costs": costs}, indent=1))
-                partial.replace(path)
-            except OSError as error:
-                logger.warning(
-                    f"Could not keep the lookahead step-cost table in {cost_dir} ({error}); it is kept in memory only. "
-                    f"Set {COST_DIR_VARIABLE} to a writable directory, or to 'off' to silence this."
-                )
-        return cls(costs)
+        smoothing = AUTO_TUNING.duration_smoothing
+        if length == 1:
+            previous = self._single_token_seconds
+            self._single_token_seconds = seconds if previous is None else previous + smoothing * (seconds - previous)
+            return
+        if self._single_token_seconds is None:
+            return
+        measured = seconds / self._single_token_seconds
+        excess = self.table(length) - 1.0
+        explained = 1.0
+        if excess > 0.0:
+            low, high = AUTO_TUNING.excess_scale_range
+            factor = min(max((measured - 1.0) / excess, low), high)
+            self.excess_scale += smoothing * (factor - self.excess_scale)
+            explained = 1.0 + excess * factor
+        # A flat table (no excess to scale) or one far too low: without this, steps priced at about one token that
+        # cost two ran "auto" at half plain greedy's speed (a flat table on a CPU, measured).
+        low, high = AUTO_TUNING.underpricing_range
+        band = length.bit_length()
+        previous = self.underpricing.get(band, 1.0)
+        self.underpricing[band] = previous + smoothing * (min(max(measured / explained, low), high) - previous)
 
 
 class EngineStepCost:
@@ -250,95 +249,3 @@ def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     for column, value in zip(active, solution.tolist()):
         coefficients[column] = value / float(scale[column])
     return coefficients
-
-
-def model_key(model: PreTrainedModel) -> str:
-    """What a cost table depends on: the model, its dtype and device, the thread count and the attention backend."""
-    parts = [
-        type(model).__name__,
-        str(model.config.name_or_path or ""),
-        str(sum(p.numel() for p in model.parameters())),
-        str(model.dtype),
-        str(model.device.type),
-        torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
-        str(torch.get_num_threads()),
-        attention_implementation(model) or "",
-    ]
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-
-
-@torch.no_grad()
-def measure_step_costs(
-    model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID, encoder_outputs: Any = None
-) -> dict[int, float]:
-    """
-    Times forward passes of every step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
-    logits (as a lookahead step has), in `_ROUNDS` rounds of one pass per length; returns, per length, the median
-    over rounds of its time over the one-token time of the same round, made non-decreasing in the length.
-
-    Args:
-        model (`PreTrainedModel`): the model.
-        grid (`tuple[int]`): the step lengths to measure, 1 first.
-        encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, what the decoder attends to.
-    """
-    device = model.device
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    context = _CONTEXT
-    limit = max_positions(model)
-    if limit is not None and context + max(grid) > limit:
-        # A short position table: time the steps that fit after a shorter context, extrapolate the longer ones.
-        grid = tuple(length for length in grid if length <= limit // 2)
-        context = min(context, limit - max(grid))
-    generator = torch.Generator().manual_seed(0)
-    host_ids = torch.randint(vocab, (1, context + max(grid)), generator=generator, device="cpu")
-    ids = host_ids.to(device)
-    cache = DynamicCache(config=model.config)
-    if model.config.is_encoder_decoder:
-        cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))
-    forward = StepForward(model, cache, encoder_outputs)
-    positions = torch.arange(context, device=device)[None]
-    forward(StepInputs(ids[:, :context], positions, None, torch.tensor([context - 1], device=device), [None]))
-    # Sliding layers can then be cropped back after each timed step.
-    cache.activate_past_recording()
-    layout = StepLayout.for_model(model, forward.decoder_cache, 1, 1)
-
-    def timed(length: int) -> float:
-        step = layout.build(
-            forward.decoder_cache,
-            [layout.row(host_ids[0, context : context + length].tolist(), context + length - 1, None, TokenTree())],
-            fixed_length=length,
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        forward(step).argmax(-1).tolist()
-        elapsed = time.perf_counter() - start
-        cache.crop(-length)
-        return elapsed
-
-    for length in grid[:_WARM_UP]:
-        timed(length)
-    # Every round times each length once, and each length is judged against the one-token step of its own round:
-    # load that comes and goes then shifts both alike instead of one length's repeats.
-    rounds = [{length: timed(length) for length in grid} for _ in range(_ROUNDS)]
-    # No step is cheaper than the one-token step, which stays at exactly 1 (a tiny model's 2-token step can time
-    # below it, and pooling the two would move it).
-    ratios = [max(1.0, statistics.median(times[length] / times[grid[0]] for times in rounds)) for length in grid]
-    return dict(zip(grid, _non_decreasing(ratios)))
-
-
-def _non_decreasing(values: list[float]) -> list[float]:
-    """
-    The closest non-decreasing sequence (least squares, pool-adjacent-violators): a longer step never costs less, and
-    a dip in a measured curve is noise that would make `"auto"` prefer one length over its neighbours.
-    """
-    blocks: list[list[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([value, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            blocks[-1] = [
-                (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
-                blocks[-1][1] + count,
-            ]
-    return [mean for mean, count in blocks for _ in range(count)]

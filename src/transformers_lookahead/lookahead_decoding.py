@@ -8,16 +8,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cache_commit import CacheCommitter
-from .compatibility import TokenStoppingCriteria, can_auto_compile, pad_token_id, prefill, processors_for_row
+from .compatibility import can_auto_compile, pad_token_id, prefill, processors_for_row
 from .configuration_lookahead import (
     LookaheadConfig,
     validate_lookahead_setup,
 )
-from .cost_model import COST_GRID, StepCostModel
+from .cost_model import COST_GRID, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
@@ -268,6 +269,51 @@ class StepPlan:
     row: RowStep
 
 
+class TokenStoppingCriteria:
+    """
+    `generate`'s default stopping criteria (`MaxLengthCriteria`, `EosTokenCriteria`), decided on the host from a
+    sequence's length and its last token. Lookahead checks the criteria after every accepted token; calling the
+    criteria list builds tensors each time (about 70 us per token here, against about 3 us for these comparisons,
+    SmolLM2 bf16, measured), which a step accepting many tokens pays many times.
+
+    Args:
+        max_length (`int` or `None`): `MaxLengthCriteria.max_length`.
+        eos_token_ids (`set[int]`): `EosTokenCriteria.eos_token_id`'s tokens.
+        max_position_embeddings (`int` or `None`): past this length `MaxLengthCriteria` logs a warning, so the
+            criteria themselves decide there.
+    """
+
+    def __init__(self, max_length: int | None, eos_token_ids: set[int], max_position_embeddings: int | None):
+        self.max_length = max_length
+        self.eos_token_ids = eos_token_ids
+        self.max_position_embeddings = max_position_embeddings
+
+    @classmethod
+    def of(cls, criteria: StoppingCriteriaList) -> TokenStoppingCriteria | None:
+        """The host form of `criteria`, or `None` unless each criterion is exactly one of the two default classes."""
+        if any(type(criterion) not in (MaxLengthCriteria, EosTokenCriteria) for criterion in criteria):
+            return None
+        max_length = max_position_embeddings = None
+        eos_token_ids: set[int] = set()
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria):
+                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+                if criterion.max_position_embeddings is not None:
+                    max_position_embeddings = criterion.max_position_embeddings
+            else:
+                eos_token_ids.update(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+        return cls(max_length, eos_token_ids, max_position_embeddings)
+
+    def __call__(self, length: int, token: int) -> bool | None:
+        """
+        Whether the criteria fire on a sequence of `length` tokens (padding included) that ends with `token`, or
+        `None` where the criteria list must be asked instead.
+        """
+        if self.max_position_embeddings is not None and length > self.max_position_embeddings:
+            return None
+        return token in self.eos_token_ids or (self.max_length is not None and length >= self.max_length)
+
+
 class LookaheadDecoder:
     """
     The decoding loop of one `generate` call.
@@ -320,11 +366,13 @@ class LookaheadDecoder:
             self.cost = self.state.cost_model(model, encoder_outputs=first_input)
             if self.sync is not None:
                 self.cost = self.sync.agree(self.cost)
-            # Computed once: every row's policy starts from the cost of a step of the whole batch.
-            self.batch_cost = self.cost.for_batch(batch_size)
-            self.window_size = choose_window(self.batch_cost, config.levels, AUTO_TUNING.max_window)
+            batch_cost = self.cost.for_batch(batch_size)
+            self.window_size = choose_window(batch_cost, config.levels, AUTO_TUNING.max_window)
+            # One pricing for the batch: every row's step costs what the batch's step costs.
+            self.pricing = StepPricing(batch_cost, timed=self.follows_durations)
         else:
             self.window_size = config.window
+            self.pricing = None
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = max_positions(model)
         return_dict = generation_config.return_dict_in_generate
@@ -345,7 +393,7 @@ class LookaheadDecoder:
             bool(generation_config.do_sample),
             self._carried_estimates,
             self.memory,
-            times_steps=self.follows_durations,
+            self.pricing,
         )
 
     @property
@@ -401,14 +449,19 @@ class LookaheadDecoder:
                 for plan, (verdict, kept) in zip(plans, verdicts)
             ]
             slot_valid = self._commit(step.length, kept_rows, slot_valid)
-            for b, (plan, (verdict, kept)) in enumerate(zip(plans, verdicts)):
-                self._learn(plan, verdict, kept, row_choices[b], step.length, elapsed)
+            refeed = self.config.cache_commit == "refeed"
+            for plan, (verdict, kept), choices_of_row in zip(plans, verdicts, row_choices):
+                learn_from_step(
+                    plan.sequence, plan.choice, plan.row, verdict, kept, choices_of_row, self.config, refeed
+                )
+            if self.pricing is not None and self.pricing.timed:
+                self.pricing.observe(step.length, elapsed)
             active, slot_valid = self._settle(sequences, active, slot_valid)
 
         if streamer is not None:
             streamer.end()
         if self.config.adaptive:
-            estimates = PolicyEstimates.mean([sequence.policy.estimates() for sequence in sequences])
+            estimates = self.factory.estimates([sequence.policy for sequence in sequences])
             self.state.remember(self.factory.estimates_key(sequences[0].policy), estimates)
         if self.memory is not None:
             self.state.add_to_memory(self.config.memory_namespace, [sequence.tokens for sequence in sequences])
@@ -463,8 +516,7 @@ class LookaheadDecoder:
 
     def _new_sequence(self, index: int, text: SequenceText, limit: int, verifier: GreedyVerifier) -> SequenceState:
         """A sequence with its own pool, window and policy, seeded from its text, and its `verifier`."""
-        cost = self.batch_cost if self.config.adaptive else None
-        return SequenceState(index, text, limit, *self.factory.parts(text.tokens, cost), verifier)
+        return SequenceState(index, text, limit, *self.factory.parts(text.tokens), verifier)
 
     def _carried_estimates(self, key: tuple) -> PolicyEstimates | None:
         """What the last call of this kind left for a policy of this shape; rank 0's under tensor parallelism."""
@@ -489,9 +541,9 @@ class LookaheadDecoder:
             if not fitting:
                 budget = 1
             elif adapts:
-                budget = batch_step_length(offers, active[0].policy.step_cost, (1, *fitting))
+                budget = batch_step_length(offers, self.pricing, (1, *fitting))
         elif adapts and len(active) > 1:
-            budget = batch_step_length(offers, active[0].policy.step_cost)
+            budget = batch_step_length(offers, self.pricing)
         plans = []
         for sequence, offer in zip(active, offers):
             if budget == 1:
@@ -541,15 +593,6 @@ class LookaheadDecoder:
         self._stream(streamer, sequence, kept)
         return verdict, kept
 
-    def _learn(
-        self, plan: StepPlan, verdict: Verdict, kept: int, choices: list[int], step_length: int, seconds: float
-    ) -> None:
-        """Moves one sequence past the step (`learn_from_step`), its policy also told how long the step took."""
-        refeed = self.config.cache_commit == "refeed"
-        learn_from_step(plan.sequence, plan.choice, plan.row, verdict, kept, choices, self.config, refeed)
-        if self.follows_durations:
-            plan.sequence.policy.observe_duration(step_length, seconds)
-
     def _commit(
         self, step_length: int, kept_rows: list[list[int]], slot_valid: torch.BoolTensor | None
     ) -> torch.BoolTensor | None:
@@ -571,9 +614,7 @@ class LookaheadDecoder:
             slot_valid = self._keep_running(running, active, slot_valid)
             if self.config.adaptive:
                 # A smaller batch makes each extra token per row cheaper again.
-                cost = self.cost.for_batch(len(running))
-                for sequence in running:
-                    sequence.policy.use_cost(cost)
+                self.pricing.use_table(self.cost.for_batch(len(running)))
         return running, slot_valid
 
     def _initial_slots(

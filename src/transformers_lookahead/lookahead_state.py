@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .configuration_lookahead import DEFAULT_MEMORY_NAMESPACE, DEFAULT_MEMORY_SIZE, NAMESPACE_PATTERN
-from .cost_model import StepCostModel, default_cost_dir, model_key
+from .cost_measurement import default_cost_dir, load_or_measure, model_key
+from .cost_model import StepCostModel
 from .suffix_memory import SuffixMemory, vocabulary_key
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class LookaheadState:
         # Held while measuring: a second thread would otherwise time its forward passes against the first's.
         with self._lock:
             if key not in self._costs:
-                self._costs[key] = StepCostModel.for_model(model, self.cost_dir, encoder_outputs=encoder_outputs)
+                self._costs[key] = load_or_measure(model, self.cost_dir, encoder_outputs=encoder_outputs)
             return self._costs[key]
 
     def recall(self, shape: tuple) -> PolicyEstimates | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .auto_tuning import AUTO_TUNING
@@ -19,7 +20,7 @@ from .verification import GreedyVerifier, Verdict
 
 if TYPE_CHECKING:
     from .configuration_lookahead import LookaheadConfig
-    from .cost_model import StepCostModel
+    from .cost_model import StepPricing
     from .step_layout import RowStep
     from .suffix_memory import SuffixMemory
 
@@ -154,7 +155,8 @@ class LookaheadFactory:
         do_sample (`bool`): whether the loop samples (greedy and sampled decoding carry their own estimates).
         recall (`Callable`): what earlier calls left for a policy of a shape (`estimates_key`), or `None`.
         memory (`SuffixMemory`, *optional*): earlier calls' text, whose matches the policy prices.
-        times_steps (`bool`): whether the loop reports each step's duration to the policy.
+        pricing (`StepPricing`, *optional*): what steps cost, which every sequence's policy asks (for `"auto"`); it
+            starts from what earlier calls learnt.
     """
 
     def __init__(
@@ -164,23 +166,19 @@ class LookaheadFactory:
         do_sample: bool,
         recall: Callable[[tuple], PolicyEstimates | None],
         memory: SuffixMemory | None = None,
-        times_steps: bool = False,
+        pricing: StepPricing | None = None,
     ):
         self.config = config
         self.window_size = window_size
         self.do_sample = do_sample
         self.recall = recall
         self.memory = memory
-        self.times_steps = times_steps
+        self.pricing = pricing
         self.sources = candidate_sources(config, memory)
+        self._pricing_started = False
 
-    def parts(
-        self, tokens: list[int], cost: StepCostModel | None
-    ) -> tuple[NGramPool, LookaheadWindow, StepPolicy, ContextIndex | None]:
-        """
-        The pool, window, policy and context index of a sequence whose text is `tokens` (its prompt and first
-        token), its policy pricing steps by `cost` (for `"auto"`).
-        """
+    def parts(self, tokens: list[int]) -> tuple[NGramPool, LookaheadWindow, StepPolicy, ContextIndex | None]:
+        """The pool, window, policy and context index of a sequence whose text is `tokens` (its prompt and first token)."""
         config = self.config
         pool = NGramPool(config.levels, config.guess)
         if config.pool_from_prompt:
@@ -189,32 +187,42 @@ class LookaheadFactory:
         context = None
         if config.adaptive:
             policy = AdaptiveStepPolicy(
-                cost,
+                self.pricing,
                 self.window_size * config.levels,
                 config.levels,
                 context_depth=AUTO_TUNING.context_depth,
                 memory_match=self.memory.max_match if self.memory is not None else 0,
                 memory_depth=AUTO_TUNING.memory_depth,
-                times_steps=self.times_steps,
             )
             learnt = self.recall(self.estimates_key(policy))
             if learnt is not None:
                 policy.start_from(learnt)
+                if not self._pricing_started:
+                    # Shared by the loop's sequences, and learning from its steps once they run.
+                    self.pricing.start_from(learnt.excess_scale, learnt.underpricing)
+            self._pricing_started = True
             # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
             context = ContextIndex() if config.pool_from_prompt else None
         else:
             policy = StaticStepPolicy(self.window_size * config.levels)
         return pool, window, policy, context
 
-    def build(
-        self, tokens: list[int], limit: int, verifier: GreedyVerifier, cost: StepCostModel | None
-    ) -> SequenceLookahead:
+    def build(self, tokens: list[int], limit: int, verifier: GreedyVerifier) -> SequenceLookahead:
         """A sequence's lookahead (see `parts`), checking its candidates with `verifier`."""
-        return SequenceLookahead(tokens, limit, *self.parts(tokens, cost), verifier)
+        return SequenceLookahead(tokens, limit, *self.parts(tokens), verifier)
 
     def estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
         """Greedy and sampled decoding accept at different rates: each kind carries its own estimates."""
         return (*policy.shape, self.do_sample)
+
+    def estimates(self, policies: list[AdaptiveStepPolicy]) -> PolicyEstimates:
+        """What the policies of the loop's sequences learnt (their mean), with what its pricing learnt."""
+        excess_scale, underpricing = self.pricing.learnt()
+        return replace(
+            PolicyEstimates.mean([policy.estimates() for policy in policies]),
+            excess_scale=excess_scale,
+            underpricing=underpricing,
+        )
 
 
 def offer_candidates(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from .auto_tuning import AUTO_TUNING
-from .cost_model import StepCostModel
+from .cost_model import StepCostModel, StepPricing
 from .ngram_pool import NGramPool
 from .token_tree import TokenTree
 from .verification import Verdict
@@ -64,7 +64,8 @@ def batch_step_length(
 @dataclass(frozen=True)
 class PolicyEstimates:
     """
-    What an `AdaptiveStepPolicy` has learnt about acceptance, to start another call from.
+    What an `AdaptiveStepPolicy` has learnt about acceptance, and its loop's `StepPricing` about what steps cost, to
+    start another call from.
 
     Args:
         match_rate (`tuple[float]`): per depth, how often a pooled candidate matched once its parent had.
@@ -76,9 +77,8 @@ class PolicyEstimates:
         predicted (`float`): decayed sum of the acceptance probabilities of the nodes steps verified.
         realized (`float`): decayed sum of the nodes those steps accepted.
         probe_wait (`float`): steps without the window before the next forced window step (0: not learnt).
-        excess_scale (`float`): the factor measured durations put on the cost table's excess over one token.
-        underpricing (`tuple[tuple[int, float]]`): per band of step lengths, `(band, factor)`: what measured durations
-            add to the cost beyond the excess factor (none learnt: empty).
+        excess_scale (`float`): what the loop's `StepPricing` learnt: the factor on the table's excess.
+        underpricing (`tuple[tuple[int, float]]`): and its factors per band of step lengths (none learnt: empty).
     """
 
     match_rate: tuple[float, ...]
@@ -94,13 +94,11 @@ class PolicyEstimates:
 
     @staticmethod
     def mean(estimates: list[PolicyEstimates]) -> PolicyEstimates:
-        """The element-wise mean of several sequences' estimates (all of one shape)."""
+        """The element-wise mean of several sequences' acceptance estimates (all of one shape)."""
         count = len(estimates)
 
         def average(values) -> tuple[float, ...]:
             return tuple(sum(column) / count for column in zip(*values))
-
-        underpricing = [dict(e.underpricing) for e in estimates]
 
         return PolicyEstimates(
             average(e.match_rate for e in estimates),
@@ -111,11 +109,6 @@ class PolicyEstimates:
             sum(e.predicted for e in estimates) / count,
             sum(e.realized for e in estimates) / count,
             sum(e.probe_wait for e in estimates) / count,
-            sum(e.excess_scale for e in estimates) / count,
-            tuple(
-                (band, sum(bands.get(band, 1.0) for bands in underpricing) / count)
-                for band in sorted({band for bands in underpricing for band in bands})
-            ),
         )
 
 
@@ -195,10 +188,6 @@ class StepPolicy(Protocol):
 
     def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None: ...
 
-    def observe_duration(self, length: int, seconds: float) -> None: ...
-
-    def use_cost(self, cost: StepCostModel) -> None: ...
-
 
 class StaticStepPolicy:
     """Every step holds the whole window and every candidate, as in the paper: the step shape is fixed."""
@@ -234,12 +223,6 @@ class StaticStepPolicy:
             key (`int`): the token its candidates followed.
         """
 
-    def observe_duration(self, length: int, seconds: float) -> None:
-        """Learns from the measured duration of a step (nothing to learn for a fixed shape)."""
-
-    def use_cost(self, cost: StepCostModel) -> None:
-        """Plans with `cost` from now on: the batch changed size (nothing to change for a fixed shape)."""
-
 
 class AdaptiveStepPolicy:
     """
@@ -268,18 +251,14 @@ class AdaptiveStepPolicy:
       anyway; each such probe that does not make the window worth choosing doubles the wait (up to
       `max_probe_every`), since on a device where the window costs much a probe every few dozen steps costs a few
       percent of the time. Choosing the window resets the wait.
-    - Cost: `StepCostModel` of the step length, its excess over a one-token step rescaled by a running factor
-      learnt from the measured duration of the steps of this call (tables measured on an idle machine drift when
-      the load or the context length changes). What no factor within its bounds explains, a step costlier than its
-      table says by more than a factor of the excess can account for (a table near flat where steps are not, as
-      on a GPU driven by a slow host), is learnt per band of step lengths and multiplies their cost.
+    - Cost: what `StepPricing` says a step of that length costs. Where durations are reported, a timed one-token
+      step is what they are judged against: the call's second step is one if none was timed by then.
 
     With the nodes sorted by probability, every prefix is a valid subtree (a child is never likelier than its
     parent), so one pass over the prefixes, with and without the window, finds the best step.
 
     Args:
-        cost (`StepCostModel`): forward cost against step length (per row) on this device and batch size (see
-            `use_cost`).
+        pricing (`StepPricing`): what a step of T tokens (per row) costs, shared by the rows of a batch.
         window_length (`int`): tokens the window adds to a step (W x (N - 1)).
         levels (`int`): N - 1, the deepest candidate.
         decay (`float`): weight kept by the running estimates at each step.
@@ -290,13 +269,11 @@ class AdaptiveStepPolicy:
         memory_depth (`int`): the deepest continuation of the suffix memory.
         calibration_decay (`float`): weight kept by the calibration sums at each step.
         calibration_prior (`float`): predicted and accepted nodes the calibration starts from.
-        times_steps (`bool`): whether the caller reports each step's duration (`observe_duration`); such a policy
-            makes its second step a one-token step if none was timed by then, the reference durations are judged by.
     """
 
     def __init__(
         self,
-        cost: StepCostModel,
+        pricing: StepPricing,
         window_length: int,
         levels: int,
         decay: float = AUTO_TUNING.decay,
@@ -307,10 +284,8 @@ class AdaptiveStepPolicy:
         memory_depth: int = 0,
         calibration_decay: float = AUTO_TUNING.calibration_decay,
         calibration_prior: float = AUTO_TUNING.calibration_prior,
-        times_steps: bool = False,
     ):
-        self.cost = cost
-        self.times_steps = times_steps
+        self.pricing = pricing
         self.window_length = window_length
         self.decay = decay
         self.probe_every = probe_every
@@ -328,22 +303,9 @@ class AdaptiveStepPolicy:
         self._predicted, self._realized = 0.0, 0.0
         self._steps_without_window = 0
         self._levels = levels
-        self._single_token_seconds: float | None = None
-        self._excess_scale = 1.0
-        # Per band of step lengths (`length.bit_length()`): measured cost over what the excess factor explains.
-        self._underpricing: dict[int, float] = {}
         self._steps_planned = 0
 
     adapts = True
-
-    def use_cost(self, cost: StepCostModel) -> None:
-        """Plans with `cost` from now on: finished rows left the batch, so each extra token per row costs less."""
-        self.cost = cost
-
-    def step_cost(self, length: int) -> float:
-        """The expected cost of a step of `length` tokens, in one-token steps."""
-        scaled = 1.0 + (self.cost(length) - 1.0) * self._excess_scale
-        return scaled if length == 1 else scaled * self._underpricing.get(length.bit_length(), 1.0)
 
     @property
     def shape(self) -> tuple:
@@ -362,8 +324,6 @@ class AdaptiveStepPolicy:
             self._predicted,
             self._realized,
             float(self._probe_wait),
-            self._excess_scale,
-            tuple(sorted(self._underpricing.items())),
         )
 
     def start_from(self, estimates: PolicyEstimates) -> None:
@@ -374,44 +334,11 @@ class AdaptiveStepPolicy:
         self._window_credit, self._window_steps = estimates.window_credit, estimates.window_steps
         self._predicted, self._realized = estimates.predicted, estimates.realized
         self._probe_wait = min(max(round(estimates.probe_wait), self.probe_every), self.max_probe_every)
-        # What steps cost is carried too: on a device whose table is off, each call would otherwise spend its first
-        # steps learning it again. The one-token time is not (it grows with the context).
-        self._excess_scale, self._underpricing = estimates.excess_scale, dict(estimates.underpricing)
 
     @property
     def calibration(self) -> float:
         """Accepted over predicted nodes of the verified steps: the factor applied to every node's probability."""
         return (self._realized + self.calibration_prior) / (self._predicted + self.calibration_prior)
-
-    def observe_duration(self, length: int, seconds: float) -> None:
-        """
-        Learns from the measured duration of a step.
-
-        Args:
-            length (`int`): the step's length T.
-            seconds (`float`): the time from the start of its forward pass to its verified tokens.
-        """
-        smoothing = AUTO_TUNING.duration_smoothing
-        if length == 1:
-            previous = self._single_token_seconds
-            self._single_token_seconds = seconds if previous is None else previous + smoothing * (seconds - previous)
-            return
-        if self._single_token_seconds is None:
-            return
-        measured = seconds / self._single_token_seconds
-        excess = self.cost(length) - 1.0
-        explained = 1.0
-        if excess > 0.0:
-            low, high = AUTO_TUNING.excess_scale_range
-            factor = min(max((measured - 1.0) / excess, low), high)
-            self._excess_scale += smoothing * (factor - self._excess_scale)
-            explained = 1.0 + excess * factor
-        # A flat table (no excess to scale) or one far too low: without this, steps priced at about one token that
-        # cost two ran "auto" at half plain greedy's speed (a flat table on a CPU, measured).
-        low, high = AUTO_TUNING.underpricing_range
-        band = length.bit_length()
-        previous = self._underpricing.get(band, 1.0)
-        self._underpricing[band] = previous + smoothing * (min(max(measured / explained, low), high) - previous)
 
     def _learn_matches(self, tree: TokenTree, continuation: list[int]) -> None:
         node = -1
@@ -468,14 +395,13 @@ class AdaptiveStepPolicy:
         learnt wait) steps without the window, the window runs as a probe.
         """
         self._steps_planned += 1
-        untimed = self.times_steps and self._single_token_seconds is None
-        if budget is None and untimed and self._steps_planned == _TIMED_ONE_TOKEN_STEP:
+        if budget is None and self.pricing.wants_reference and self._steps_planned == _TIMED_ONE_TOKEN_STEP:
             # Every step's duration is judged against a one-token step's, and a table that prices long steps at about
             # one token would never choose one: the call's second step is one, once (its first may still warm up).
             return StepChoice(offer, False, offer.tree.subtree([]))
         options = offer.options
         if budget is None:
-            best = max(options, key=lambda option: option.expected / self.step_cost(option.length))
+            best = max(options, key=lambda option: option.expected / self.pricing(option.length))
         else:
             fitting = [option for option in options if option.length <= budget] or list(options[:1])
             best = max(fitting, key=lambda option: option.expected)
