@@ -172,8 +172,6 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
         reference = _new_tokens(plain.sequences[0], prompt_length, pad_id, tokenizer.eos_token_id)
         margins = [float(scores[0].topk(2).values.diff().abs()) for scores in plain.scores[: len(reference)]]
         departures, details, off_greedy, forwards = {}, {}, {}, {}
-        # Methods often depart into the same text: plain greedy is run along each distinct text once.
-        counted: dict[tuple[int, ...], int] = {}
         for method, kwargs in methods.items():
             if kwargs is None:
                 neighbour = prompts[(index + 1) % len(prompts)][2]
@@ -196,9 +194,7 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
                     "margin": margins[departure],
                     "step_offset": None if steps is None else _step_offset(steps, departure),
                 }
-            if departure is not None and tuple(generated) not in counted:
-                counted[tuple(generated)] = _off_greedy_count(model, ids, generated, departure, **own_cache)
-            off_greedy[method] = counted.get(tuple(generated), 0)
+            off_greedy[method] = _off_greedy_count(model, ids, generated, departure, **own_cache)
         results.append(
             {
                 "prompt_id": prompt_id,

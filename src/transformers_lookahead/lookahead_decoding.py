@@ -424,6 +424,7 @@ class LookaheadDecoder:
         active = [sequence for sequence in sequences if not sequence.done]
         if active and len(active) < len(sequences):
             slot_valid = self._keep_running(active, sequences, slot_valid)
+        refeed = self.config.cache_commit == "refeed"
         while True:
             plans = self._plan(active, layout) if active else []
             if self.sync is not None:
@@ -449,7 +450,6 @@ class LookaheadDecoder:
                 for plan, (verdict, kept) in zip(plans, verdicts)
             ]
             slot_valid = self._commit(step.length, kept_rows, slot_valid)
-            refeed = self.config.cache_commit == "refeed"
             for plan, (verdict, kept), choices_of_row in zip(plans, verdicts, row_choices):
                 learn_from_step(
                     plan.sequence, plan.choice, plan.row, verdict, kept, choices_of_row, self.config, refeed
