@@ -15,19 +15,14 @@ from parameterized import parameterized
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.token_tree import TokenTree
 from utils import benchmark, cb_benchmark
+from utils.batched_benchmark import _generated_lengths, format_batched_table, summarize_batched
 from utils.benchmark import (
     REFERENCE,
-    SPEECH,
     _decoded_tokens,
-    _generated_lengths,
-    format_batched_table,
-    format_sampling_table,
     format_table,
     native_half_precision,
     run_benchmark,
     summarize,
-    summarize_batched,
-    summarize_sampling,
 )
 from utils.cb_benchmark import ENGINES as CB_ENGINES
 from utils.cb_benchmark import (
@@ -62,6 +57,7 @@ from utils.quality import (
     summarize_quality,
 )
 from utils.quality import main as quality_main
+from utils.sampling_benchmark import format_sampling_table, summarize_sampling
 from utils.step_ceiling import (
     CEILING_SETTINGS,
     deepest_match,
@@ -71,6 +67,7 @@ from utils.step_ceiling import (
 )
 from utils.timing import ForwardTimer
 from utils.tiny_models import left_padded
+from utils.workload import SPEECH, Workload
 
 from .utils import flat_state, random_prompt, tiny_model
 
@@ -96,14 +93,29 @@ def _benchmark_args(**settings) -> SimpleNamespace:
     )
 
 
+class FixedWorkload(Workload):
+    """
+    A benchmark's workload of given models (by dtype; `None`: the run's own) and prompts, on the CPU; with no models,
+    one that fails the test if a benchmark loads anything.
+    """
+
+    def __init__(self, models: dict | None = None, prompts: list | None = None):
+        super().__init__(SimpleNamespace(device="cpu"))
+        self.models, self.fixed_prompts = models, prompts
+
+    def load(self, dtype=None, **loading):
+        if self.models is None:
+            raise AssertionError("a model was loaded")
+        return self.models.get(dtype, self.models[None]), None, self.device
+
+    def prompts(self, tokenizer, device):
+        return self.fixed_prompts
+
+
 def _assert_refused_before_loading(test: unittest.TestCase, argv: list[str], message: str) -> None:
     """`utils/benchmark.py argv` exits with `message` before loading any model."""
-    with (
-        mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
-        mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
-        test.assertRaises(SystemExit),
-    ):
-        benchmark.main(argv)
+    with mock.patch("sys.stderr", new_callable=io.StringIO) as stderr, test.assertRaises(SystemExit):
+        benchmark.main(argv, workload=FixedWorkload())
     test.assertIn(message, stderr.getvalue())
 
 
@@ -158,14 +170,8 @@ class BenchmarkSummaryTest(unittest.TestCase):
         ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
         args = _benchmark_args(max_new_tokens=12, repeats=2, dtype="bfloat16", reference_fp32=True)
 
-        def load(args, dtype=None):
-            return (full if dtype == "float32" else half), None, torch.device("cpu")
-
-        with (
-            mock.patch("utils.benchmark._load", side_effect=load),
-            mock.patch("utils.benchmark._prompts", return_value=[("p", "humaneval", ids, ids.shape[1])]),
-        ):
-            result = run_benchmark(args)
+        workload = FixedWorkload({None: half, "float32": full}, [("p", "humaneval", ids, ids.shape[1])])
+        result = run_benchmark(args, workload)
         reference = [run for run in result["runs"] if run["method"] == REFERENCE]
         self.assertEqual(len(reference), 2)
         self.assertTrue(all(run["forward_passes"] == 12 for run in reference), "plain greedy: one pass per token")
@@ -206,11 +212,7 @@ class RepeatsTest(unittest.TestCase):
         model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
         ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
         args = _benchmark_args(max_new_tokens=24, repeats=3, dtype="float32")
-        with (
-            mock.patch("utils.benchmark._load", return_value=(model, None, torch.device("cpu"))),
-            mock.patch("utils.benchmark._prompts", return_value=[("p", "c", ids, ids.shape[1])]),
-        ):
-            result = run_benchmark(args)
+        result = run_benchmark(args, FixedWorkload({None: model}, [("p", "c", ids, ids.shape[1])]))
         passes = [run["forward_passes"] for run in result["runs"] if run["method"] == "lookahead_auto"]
         self.assertEqual(len(passes), 3)
         self.assertGreater(min(passes), 0.75 * max(passes), f"no repeat is answered from memory: {passes}")
@@ -235,12 +237,7 @@ class RepeatsTest(unittest.TestCase):
         methods = {"greedy": {}, "first": {"lookahead_window": "auto"}, "second": {"lookahead_window": "auto"}}
         args = _benchmark_args(max_new_tokens=24, repeats=1, dtype="float32")
         args.methods = list(methods)
-        with (
-            mock.patch.dict("utils.benchmark.METHODS", methods, clear=True),
-            mock.patch("utils.benchmark._load", return_value=(model, None, torch.device("cpu"))),
-            mock.patch("utils.benchmark._prompts", return_value=[("p", "c", ids, ids.shape[1])]),
-        ):
-            result = run_benchmark(args)
+        result = run_benchmark(args, FixedWorkload({None: model}, [("p", "c", ids, ids.shape[1])]), methods)
         passes = {run["method"]: run["forward_passes"] for run in result["runs"]}
         self.assertGreater(passes["second"], 0.75 * passes["first"], f"answered from the first's memory: {passes}")
 
@@ -620,13 +617,11 @@ class QualityHarnessTest(unittest.TestCase):
 
     def test_first_problem_outside_the_tuning_problems_is_refused_before_loading(self):
         for value in ("-1", "82"):
-            with (
-                mock.patch.object(benchmark, "_load", side_effect=AssertionError("loaded")),
-                mock.patch("sys.stderr", new_callable=io.StringIO) as stderr,
-                self.assertRaises(SystemExit),
-            ):
-                benchmark.main(["--quality", "--first-problem", value])
-            self.assertIn("--first-problem must be one of the tuning problems, 0 to 81", stderr.getvalue())
+            _assert_refused_before_loading(
+                self,
+                ["--quality", "--first-problem", value],
+                "--first-problem must be one of the tuning problems, 0 to 81",
+            )
 
 
 class ContinuousBatchingBenchmarkTest(unittest.TestCase):
@@ -910,6 +905,24 @@ class PricedStepsTest(unittest.TestCase):
         )
 
 
+class BenchmarkChoiceTest(unittest.TestCase):
+    def test_each_benchmark_is_found_by_its_flag(self):
+        parser = benchmark.build_parser()
+        flags = {flag for action in parser._actions for flag in action.option_strings}
+        for name, run in benchmark.BENCHMARKS.items():
+            with self.subTest(benchmark=name):
+                self.assertIn("--" + name.replace("_", "-"), flags)
+                self.assertEqual(run.__module__, "utils.benchmark")
+
+    def test_two_benchmarks_at_once_are_refused_before_loading(self):
+        for argv, message in (
+            (["--sampling", "--batched"], "--sampling, --batched: each picks its own benchmark"),
+            (["--whisper", "--departures"], "--whisper, --departures: each picks its own benchmark"),
+            (["--whisper", "--model", "smollm2"], "--whisper runs the greedy side-by-side benchmark on its own model"),
+        ):
+            _assert_refused_before_loading(self, argv, message)
+
+
 class MainWritesResultFilesTest(unittest.TestCase):
     """`utils/benchmark.py` end to end on a tiny model: the files it writes, and that the results page renders them."""
 
@@ -924,13 +937,10 @@ class MainWritesResultFilesTest(unittest.TestCase):
 
         model = enable_lookahead(tiny_model("llama"), LookaheadState(cost_dir=None))
         ids = random_prompt(16, seed=2)
-        with (
-            tempfile.TemporaryDirectory() as folder,
-            mock.patch.object(benchmark, "_load", return_value=(model, None, torch.device("cpu"))),
-            mock.patch.object(benchmark, "_prompts", return_value=[("HumanEval/0", "humaneval", ids, ids.shape[1])]),
-        ):
+        workload = FixedWorkload({None: model}, [("HumanEval/0", "humaneval", ids, ids.shape[1])])
+        with tempfile.TemporaryDirectory() as folder:
             common = ["--dtype", "float32", "--num-prompts", "1", "--repeats", "1", "--max-new-tokens", "8"]
-            benchmark.main([*common, *argv, "--output-dir", folder])
+            benchmark.main([*common, *argv, "--output-dir", folder], workload=workload)
             result = json.loads(Path(folder, written).read_text())
         self.assertEqual(result["environment"]["cores"], os.cpu_count())
         self.assertIn("revision", result["environment"])

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,17 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from transformers_lookahead import enable_lookahead  # noqa: E402
 from transformers_lookahead.cost_measurement import measure_step_costs  # noqa: E402
-from utils.assets import (  # noqa: E402
-    SAMPLING_RATE,
-    chat_input_ids,
-    chat_messages,
-    held_out_prompts,
-    model_path,
-    spoken_audio,
-    tuning_prompts,
-    whisper_tiny_en_path,
+from utils.batched_benchmark import (  # noqa: E402
+    format_batched_table,
+    plot_batched,
+    run_batched_benchmark,
+    summarize_batched,
 )
 from utils.cb_benchmark import (  # noqa: E402
     format_continuous_batching_table,
@@ -57,7 +51,6 @@ from utils.cb_benchmark import (  # noqa: E402
     run_continuous_batching,
     summarize_continuous_batching,
 )
-from utils.distribution_check import homogeneity_p_value, token_counts  # noqa: E402
 from utils.faithfulness import format_departures_table, run_departures, summarize_departures  # noqa: E402
 from utils.memory_benchmark import (  # noqa: E402
     format_memory_table,
@@ -69,14 +62,15 @@ from utils.memory_benchmark import (  # noqa: E402
 from utils.plotting import grouped_bars  # noqa: E402
 from utils.priced_steps import format_priced_table, run_priced, summarize_priced  # noqa: E402
 from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
+from utils.sampling_benchmark import format_sampling_table, run_sampling_benchmark, summarize_sampling  # noqa: E402
 from utils.step_ceiling import (  # noqa: E402
     CEILING_SETTING_NAMES,
     format_ceiling_table,
     run_ceiling,
     summarize_ceiling,
 )
-from utils.timing import ForwardTimer, Run, native_half_precision, provenance  # noqa: E402
-from utils.tiny_models import left_padded  # noqa: E402
+from utils.timing import ForwardTimer, Run, native_half_precision  # noqa: E402
+from utils.workload import SPEECH, Workload, environment, write_report  # noqa: E402
 
 # name -> generate() keyword arguments
 METHODS = {
@@ -119,123 +113,26 @@ METHODS.update(
 REFERENCE = "greedy_fp32"
 METHODS[REFERENCE] = {}
 SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
-# The category of every `--whisper` prompt.
-SPEECH = "speech (whisper)"
-SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
 
 
-def _environment(args, device) -> dict:
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "dtype": args.dtype,
-        "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats,
-        "command": args.command,
-        "native_half_precision": native_half_precision(device),
-        **provenance(),
-    }
-
-
-def _device(args) -> torch.device:
-    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def _load(args, dtype: str | None = None, **loading):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = model_path(args.model, args.cache_dir)
-    device = _device(args)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or args.dtype), **loading)
-    model = model.to(device).eval()
-    return enable_lookahead(model), tokenizer, device
-
-
-def _dataset_items(args, dataset: str) -> list[tuple[str, str, str]]:
-    items = (tuning_prompts if args.split == "tuning" else held_out_prompts)(dataset, args.cache_dir)
-    if dataset == "mt_bench":
-        # Round-robin over categories, so a small --num-prompts still covers every category.
-        by_category = defaultdict(list)
-        for item in items:
-            by_category[item[1]].append(item)
-        items = [item for group in zip(*by_category.values()) for item in group]
-    return items[: args.num_prompts]
-
-
-def _prompts(args, tokenizer, device):
+def run_benchmark(args, workload: Workload, methods: dict | None = None) -> dict:
     """
-    `(prompt_id, category, input_ids, prompt_length)` per prompt; with `--context-tokens N`, each prompt comes after
-    an earlier turn of other tuning prompts' text, so that the model reads about N tokens before answering.
+    Every method of `args.methods` (looked up in `methods`, by default `METHODS`) on every prompt of `workload`,
+    interleaved per prompt, `args.repeats` times; the window sweep on the first `args.sweep_prompts` prompts.
     """
-    datasets = ["mt_bench", "humaneval"] if args.dataset == "all" else [args.dataset]
-    prompts = []
-    for dataset in datasets:
-        for prompt_id, category, text in _dataset_items(args, dataset):
-            ids = chat_input_ids(tokenizer, text, dataset)
-            if getattr(args, "context_tokens", None):
-                ids = _with_context(tokenizer, prompt_id, text, dataset, args.context_tokens - ids.shape[1], args)
-            prompts.append((prompt_id, category, ids.to(device), ids.shape[1]))
-    return prompts
-
-
-def _with_context(tokenizer, prompt_id: str, text: str, dataset: str, room: int, args) -> torch.LongTensor:
-    """The chat of `text` after an earlier turn holding `room` tokens of the other tuning prompts' text."""
-    others = [
-        other
-        for name in ("humaneval", "mt_bench")
-        for other_id, _, other in tuning_prompts(name, args.cache_dir)
-        if other_id != prompt_id
-    ]
-    filler = tokenizer("\n\n".join(others), add_special_tokens=False).input_ids[: max(room - 16, 0)]
-    earlier = [
-        {"role": "user", "content": "Read this material; questions follow.\n\n" + tokenizer.decode(filler)},
-        {"role": "assistant", "content": "I have read it."},
-    ]
-    return tokenizer.apply_chat_template(
-        earlier + chat_messages(text, dataset), add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
-
-
-def _load_whisper(args):
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
-
-    path = whisper_tiny_en_path(args.cache_dir)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, args.dtype))
-    return enable_lookahead(model.to(device).eval()), WhisperFeatureExtractor.from_pretrained(path), device
-
-
-def _spoken_prompts(args, extractor, model, device):
-    """MT-Bench questions read aloud by espeak-ng, as `(prompt_id, SPEECH, input_features, prompt_length)`."""
-    prompts = []
-    for prompt_id, _, text in _dataset_items(args, "mt_bench"):
-        audio = spoken_audio(text, args.cache_dir)
-        features = extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt")["input_features"]
-        prompts.append((prompt_id, SPEECH, features.to(device, model.dtype), 0))
-    return prompts
-
-
-def run_benchmark(args) -> dict:
     from tqdm.auto import tqdm
 
     if args.whisper:
-        model, extractor, device = _load_whisper(args)
-        prompts = _spoken_prompts(args, extractor, model, device)
+        model, extractor, device = workload.load_whisper()
+        prompts = workload.spoken_prompts(extractor, model, device)
     else:
-        model, tokenizer, device = _load(args)
-        prompts = _prompts(args, tokenizer, device)
-    methods = {name: METHODS[name] for name in args.methods}
+        model, tokenizer, device = workload.load()
+        prompts = workload.prompts(tokenizer, device)
+    methods = {name: (METHODS if methods is None else methods)[name] for name in args.methods}
     # The float32 reference of a half-precision run: plain greedy on the same model loaded in float32.
     models = {name: model for name in ("greedy", *methods)}
     if getattr(args, "reference_fp32", False):
-        models[REFERENCE] = _load(args, "float32")[0]
+        models[REFERENCE] = workload.load("float32")[0]
         methods[REFERENCE] = {}
     timers = {id(each): ForwardTimer(each) for each in models.values()}
     runs: list[Run] = []
@@ -276,7 +173,7 @@ def run_benchmark(args) -> dict:
         _window_sweep(model, prompts[: args.sweep_prompts], args) if args.sweep_prompts and not args.whisper else []
     )
     return {
-        "environment": _environment(args, device),
+        "environment": environment(args, device),
         "runs": [run.record() for run in runs],
         "window_sweep": sweep,
         "warmup_seconds": warmup_seconds,
@@ -421,288 +318,32 @@ def plot(result: dict, rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def run_sampling_benchmark(args) -> dict:
-    """
-    Plain sampling against lookahead sampling (`lookahead_window="auto"`), interleaved per prompt with the same seed,
-    at each temperature; then a distribution check per temperature (see `_distribution_check`).
-    """
-    from tqdm.auto import tqdm
-
-    model, tokenizer, device = _load(args)
-    prompts = _prompts(args, tokenizer, device)
-    timer = ForwardTimer(model)
-    runs = []
-    model.generate(prompts[0][2], max_new_tokens=8, do_sample=True, lookahead_window="auto")  # warm-up
-    progress = tqdm(total=len(prompts) * args.repeats * len(args.temperatures) * 2, desc="sampling", unit="gen")
-    for temperature in args.temperatures:
-        for index, (prompt_id, category, ids, _) in enumerate(prompts):
-            for repeat in range(args.repeats):
-                for method, kwargs in SAMPLING_METHODS.items():
-                    torch.manual_seed(1000 * index + repeat)
-                    out, seconds = timer.generate(
-                        ids,
-                        do_sample=True,
-                        temperature=temperature,
-                        max_new_tokens=args.max_new_tokens,
-                        **kwargs,
-                        **own_memory(kwargs, f"{method}-{temperature}-{repeat}"),
-                    )
-                    runs.append(
-                        Run(
-                            prompt_id=prompt_id,
-                            category=category,
-                            method=method,
-                            temperature=temperature,
-                            repeat=repeat,
-                            new_tokens=out.shape[1] - ids.shape[1],
-                            seconds=seconds,
-                            forward_seconds=timer.seconds,
-                            forward_passes=timer.calls,
-                        ).record()
-                    )
-                    progress.update()
-    progress.close()
-    # The check uses the first HumanEval prompt when there is one: code repeats itself, so candidates get accepted.
-    check_ids = next((ids for _, category, ids, _ in prompts if category == "humaneval"), prompts[0][2])
-    checks = [
-        _distribution_check(model, check_ids, temperature, args.check_runs, args.check_tokens)
-        for temperature in args.temperatures
-    ]
-    return {"environment": _environment(args, device), "runs": runs, "distribution_checks": checks}
+# One function per benchmark: each runs on the workload and writes its report into the output folder.
 
 
-def _distribution_check(model, ids: torch.LongTensor, temperature: float, runs: int, new_tokens: int) -> dict:
-    """
-    Draws the first `new_tokens` tokens `runs` times with plain sampling (one batched call) and with lookahead
-    sampling (one call per run), and tests per position that both samples come from one distribution.
-    """
-    common = {
-        "do_sample": True,
-        "temperature": temperature,
-        "max_new_tokens": new_tokens,
-        "min_new_tokens": new_tokens,
-    }
-    torch.manual_seed(0)
-    plain = model.generate(ids, num_return_sequences=runs, **common)[:, ids.shape[1] :]
-    lookahead, multi_token_runs = [], 0
-    for _ in range(runs):
-        out = model.generate(ids, lookahead_window="auto", return_dict_in_generate=True, **common)
-        lookahead.append(out.sequences[0, ids.shape[1] :])
-        multi_token_runs += any(kept > 1 for kept in out.accepted_per_step)
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    plain_counts, lookahead_counts = token_counts(plain, vocab), token_counts(torch.stack(lookahead), vocab)
-    p_values = [homogeneity_p_value(plain_counts[i], lookahead_counts[i]) for i in range(new_tokens)]
-    return {
-        "temperature": temperature,
-        "runs": runs,
-        "new_tokens": new_tokens,
-        "p_values": p_values,
-        "runs_with_multi_token_steps": multi_token_runs,
-    }
+def side_by_side(args, workload: Workload, out: Path) -> None:
+    """Greedy, prompt lookup and lookahead interleaved per prompt (Whisper with `--whisper`); the default."""
+    result = run_benchmark(args, workload)
+    rows = summarize(result)
+    result["summary"] = rows
+    name = "whisper" if args.whisper else "benchmark"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    table = format_table(rows)
+    warmup = ", ".join(f"{method} {seconds:.1f}" for method, seconds in result["warmup_seconds"].items())
+    table += f"\nfirst call of each method (seconds, compilation included): {warmup}"
+    (out / f"{name}.txt").write_text(table + "\n")
+    plot(result, rows, out / f"{name}.png")
+    print(table)
+    print(f"\nwritten: {out / name}.json, .txt, .png")
 
 
-def summarize_sampling(result: dict) -> list[dict]:
-    """
-    Per temperature and dataset: tokens/s of each method (total tokens / total seconds, since sampled lengths differ),
-    the speedup as the ratio of those, the median per-prompt speedup, and lookahead's tokens per forward.
-    """
-    groups = defaultdict(list)
-    for run in result["runs"]:
-        dataset = "humaneval" if run["category"] == "humaneval" else "mt_bench"
-        for name in (dataset, "all"):
-            groups[(run["temperature"], name)].append(run)
-    rows = []
-    for (temperature, dataset), selected in sorted(groups.items()):
-        rate = {}
-        per_prompt = defaultdict(dict)
-        for method in SAMPLING_METHODS:
-            mine = [r for r in selected if r["method"] == method]
-            rate[method] = sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
-            for prompt_id in {r["prompt_id"] for r in mine}:
-                theirs = [r for r in mine if r["prompt_id"] == prompt_id]
-                per_prompt[prompt_id][method] = sum(r["new_tokens"] for r in theirs) / sum(
-                    r["seconds"] for r in theirs
-                )
-        lookahead = [r for r in selected if r["method"] == "lookahead_sample"]
-        rows.append(
-            {
-                "temperature": temperature,
-                "dataset": dataset,
-                "prompts": len(per_prompt),
-                "sample_tokens_per_s": rate["sample"],
-                "lookahead_tokens_per_s": rate["lookahead_sample"],
-                "speedup": rate["lookahead_sample"] / rate["sample"],
-                "median_prompt_speedup": statistics.median(
-                    rates["lookahead_sample"] / rates["sample"] for rates in per_prompt.values()
-                ),
-                "tokens_per_forward": sum(r["new_tokens"] for r in lookahead)
-                / sum(r["forward_passes"] for r in lookahead),
-            }
-        )
-    return rows
-
-
-def format_sampling_table(rows: list[dict], checks: list[dict]) -> str:
-    header = (
-        f"{'temp':>5} {'dataset':<10} {'n':>3} {'sample tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} "
-        f"{'median':>7} {'tok/fwd':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row['temperature']:>5.1f} {row['dataset']:<10} {row['prompts']:>3} {row['sample_tokens_per_s']:>12.1f} "
-            f"{row['lookahead_tokens_per_s']:>15.1f} {row['speedup']:>7.2f}x {row['median_prompt_speedup']:>6.2f}x "
-            f"{row['tokens_per_forward']:>8.2f}"
-        )
-    for check in checks:
-        lines.append(
-            f"distribution check, temperature {check['temperature']}: first {check['new_tokens']} tokens, "
-            f"{check['runs']} runs per method, lowest per-position p-value {min(check['p_values']):.3f}, "
-            f"{check['runs_with_multi_token_steps']} lookahead runs accepted several tokens in a step"
-        )
-    return "\n".join(lines)
-
-
-def run_batched_benchmark(args) -> dict:
-    """
-    Batched greedy against batched lookahead (`lookahead_window="auto"`) for each batch size, on the same prompts
-    cut into left-padded batches; the two methods run interleaved per batch.
-    """
-    from tqdm.auto import tqdm
-
-    model, tokenizer, device = _load(args)
-    prompts = _prompts(args, tokenizer, device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad_id}
-    methods = {"greedy": {}, "lookahead_auto": {"lookahead_window": "auto"}}
-    timer = ForwardTimer(model)
-    warm = left_padded([prompts[0][2], prompts[-1][2]], pad_id)
-    for kwargs in methods.values():
-        model.generate(**warm, **common, **kwargs)
-    runs = []
-    total = sum(-(-len(prompts) // size) for size in args.batch_sizes) * args.repeats * len(methods)
-    progress = tqdm(total=total, desc="batched", unit="batch")
-    for size in args.batch_sizes:
-        for start in range(0, len(prompts), size):
-            group = prompts[start : start + size]
-            inputs = left_padded([ids for _, _, ids, _ in group], pad_id)
-            reference = None
-            for repeat in range(args.repeats):
-                for method, kwargs in methods.items():
-                    out, seconds = timer.generate(
-                        **inputs, **common, **kwargs, **own_memory(kwargs, f"{method}-{size}-{repeat}")
-                    )
-                    reference = out if reference is None else reference
-                    generated = out[:, inputs["input_ids"].shape[1] :]
-                    runs.append(
-                        Run(
-                            prompt_id=None,
-                            batch_size=size,
-                            batch=start // size,
-                            method=method,
-                            repeat=repeat,
-                            # Padding after a row's EOS is not a generated token.
-                            new_tokens=int(_generated_lengths(generated, tokenizer.eos_token_id).sum()),
-                            seconds=seconds,
-                            forward_seconds=timer.seconds,
-                            forward_passes=timer.calls,
-                            identical_to_greedy=bool(torch.equal(out, reference)),
-                        ).record()
-                    )
-                    progress.update()
-    progress.close()
-    return {"environment": _environment(args, device), "runs": runs}
-
-
-def _generated_lengths(generated: torch.LongTensor, eos_id: int | None) -> torch.LongTensor:
-    """Per row, the tokens up to and including the first EOS (all of them if there is none)."""
-    length = generated.shape[1]
-    if eos_id is None:
-        return torch.full((generated.shape[0],), length)
-    is_eos = generated == eos_id
-    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, torch.tensor(length))
-    return first.cpu()
-
-
-def summarize_batched(result: dict) -> list[dict]:
-    """Per batch size: tokens/s of each method (median over repeats of each batch's time, summed) and the speedup."""
-    rows = []
-    for size in sorted({run["batch_size"] for run in result["runs"]}):
-        mine = [run for run in result["runs"] if run["batch_size"] == size]
-        seconds, tokens = {}, {}
-        for method in ("greedy", "lookahead_auto"):
-            runs = [run for run in mine if run["method"] == method]
-            batches = sorted({run["batch"] for run in runs})
-            seconds[method] = sum(
-                statistics.median(run["seconds"] for run in runs if run["batch"] == batch) for batch in batches
-            )
-            tokens[method] = sum(next(run["new_tokens"] for run in runs if run["batch"] == batch) for batch in batches)
-        lookahead = [run for run in mine if run["method"] == "lookahead_auto"]
-        host = {
-            method: 1
-            - sum(run.get("forward_seconds", 0.0) for run in mine if run["method"] == method)
-            / sum(run["seconds"] for run in mine if run["method"] == method)
-            for method in ("greedy", "lookahead_auto")
-        }
-        rows.append(
-            {
-                "batch_size": size,
-                "greedy_host_share": host["greedy"],
-                "lookahead_host_share": host["lookahead_auto"],
-                "greedy_tokens_per_s": tokens["greedy"] / seconds["greedy"],
-                "lookahead_tokens_per_s": tokens["lookahead_auto"] / seconds["lookahead_auto"],
-                "speedup": seconds["greedy"] / seconds["lookahead_auto"],
-                "identical": sum(run["identical_to_greedy"] for run in lookahead),
-                "runs": len(lookahead),
-            }
-        )
-    return rows
-
-
-def format_batched_table(rows: list[dict]) -> str:
-    header = (
-        f"{'batch':>5} {'greedy tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} {'host (greedy/lookahead)':>24} "
-        f"{'identical':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row['batch_size']:>5} {row['greedy_tokens_per_s']:>12.1f} {row['lookahead_tokens_per_s']:>15.1f} "
-            f"{row['speedup']:>7.2f}x {row['greedy_host_share']:>14.1%} / {row['lookahead_host_share']:>6.1%} "
-            f"{row['identical']:>4}/{row['runs']}"
-        )
-    return "\n".join(lines)
-
-
-def plot_batched(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    sizes = [row["batch_size"] for row in rows]
-    axis.plot(sizes, [row["greedy_tokens_per_s"] for row in rows], marker="o", label="batched greedy")
-    axis.plot(sizes, [row["lookahead_tokens_per_s"] for row in rows], marker="o", label="batched lookahead (auto)")
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(sizes, [str(size) for size in sizes])
-    axis.set_xlabel("batch size")
-    axis.set_ylabel("generated tokens / s")
-    axis.set_title("Batched throughput")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
-def run_cost_curve(args) -> None:
-    """Forward time against step length (1..256) on the device, written as JSON and PNG."""
-    model, _, device = _load(args)
+def cost_curve(args, workload: Workload, out: Path) -> None:
+    """`--cost-curve`: forward time against step length (1..256) on the device, written as JSON and PNG."""
+    model, _, device = workload.load()
     grid = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     relative = measure_step_costs(model, grid)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "cost_curve.json").write_text(
-        json.dumps({"environment": _environment(args, device), "relative_cost": relative}, indent=1)
+        json.dumps({"environment": environment(args, device), "relative_cost": relative}, indent=1)
     )
     for length, cost in relative.items():
         print(f"T={length:>4}: {cost:6.2f}x a one-token forward")
@@ -721,18 +362,87 @@ def run_cost_curve(args) -> None:
     figure.savefig(out / "cost_curve.png", dpi=110)
 
 
-def _write_report(stem: Path, result: dict, args, device, summarize_rows, format_rows) -> None:
-    """Adds the environment and the summary to `result`, writes `stem.json` and the table to `stem.txt`, prints it."""
-    result["environment"] = _environment(args, device)
-    result["summary"] = summarize_rows(result)
-    table = format_rows(result["summary"], result)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".txt").write_text(table + "\n")
-    print(table)
+def sampling(args, workload: Workload, out: Path) -> None:
+    """`--sampling`: plain against lookahead sampling, with a distribution check (`utils/sampling_benchmark.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_sampling_benchmark(args, model, workload.prompts(tokenizer, device))
+
+    def table(rows, result):
+        return format_sampling_table(rows, result["distribution_checks"])
+
+    write_report(out / "sampling", result, args, device, summarize_sampling, table)
 
 
-def main(argv: list[str] | None = None) -> None:
+def batched(args, workload: Workload, out: Path) -> None:
+    """`--batched`: batched greedy against batched lookahead at each batch size (`utils/batched_benchmark.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_batched_benchmark(args, model, tokenizer, workload.prompts(tokenizer, device))
+    write_report(out / "batched", result, args, device, summarize_batched, lambda rows, _: format_batched_table(rows))
+    plot_batched(result["summary"], out / "batched.png")
 
+
+def memory(args, workload: Workload, out: Path) -> None:
+    """`--memory`: the suffix memory across calls, on four workloads (`utils/memory_benchmark.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_memory_benchmark(args, model, tokenizer, device, ForwardTimer(model))
+    write_report(out / "memory", result, args, device, summarize_memory, format_memory_table)
+    plot_memory(result["summary"], out / "memory.png")
+
+
+def departures(args, workload: Workload, out: Path) -> None:
+    """`--departures`: where each method's greedy output departs from plain greedy (`utils/faithfulness.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_departures(args, model, tokenizer, workload.prompts(tokenizer, device))
+    write_report(out / f"departures-{args.dtype}", result, args, device, summarize_departures, format_departures_table)
+
+
+def quality(args, workload: Workload, out: Path) -> None:
+    """`--quality`: HumanEval pass@1 of each decoding method (`utils/quality.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_quality(args, model, tokenizer)
+    write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
+
+
+def priced(args, workload: Workload, out: Path) -> None:
+    """`--price-with`: the methods' steps priced by given cost tables (`utils/priced_steps.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_priced(args, model, workload.prompts(tokenizer, device))
+    rows = functools.partial(summarize_priced, pass_ms=args.pass_ms)
+    write_report(out / "priced", result, args, device, rows, format_priced_table)
+
+
+def ceiling(args, workload: Workload, out: Path) -> None:
+    """`--ceiling`: what "auto" steps were offered, verified and accepted (`utils/step_ceiling.py`)."""
+    model, tokenizer, device = workload.load()
+    result = run_ceiling(args, model, tokenizer, workload.prompts(tokenizer, device))
+    write_report(out / "ceiling", result, args, device, summarize_ceiling, format_ceiling_table)
+
+
+def continuous_batching(args, workload: Workload, out: Path) -> None:
+    """`--continuous-batching`: plain and lookahead continuous batching under load (`utils/cb_benchmark.py`)."""
+    model, tokenizer, device = workload.load(attn_implementation="sdpa")
+    result = run_continuous_batching(args, model, tokenizer, workload.prompts(tokenizer, device))
+    stem = out / f"continuous_batching-{args.dtype}"
+    write_report(stem, result, args, device, summarize_continuous_batching, format_continuous_batching_table)
+    plot_continuous_batching(result["summary"], stem.with_suffix(".png"))
+
+
+# The flag that picks each benchmark (its `args` attribute); without one, `side_by_side` runs.
+BENCHMARKS = {
+    "cost_curve": cost_curve,
+    "sampling": sampling,
+    "batched": batched,
+    "memory": memory,
+    "departures": departures,
+    "quality": quality,
+    "price_with": priced,
+    "ceiling": ceiling,
+    "continuous_batching": continuous_batching,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the workload's arguments, each benchmark's flag (see `BENCHMARKS`) and its settings."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model",
@@ -862,7 +572,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
     parser.add_argument("--output-dir", default="bench_out")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_arguments(args, parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """
+    Fills what the arguments leave to the benchmark (the preset's counts and methods, the dtype, the float32
+    reference) and refuses, through `parser.error`, a combination that cannot run, before anything loads.
+    """
+    chosen = [name for name in BENCHMARKS if getattr(args, name)]
+    if len(chosen) > 1 or (chosen and args.whisper):
+        flags = ", ".join("--" + name.replace("_", "-") for name in (["whisper"] if args.whisper else []) + chosen)
+        parser.error(f"{flags}: each picks its own benchmark; run them one at a time.")
     preset = FULL if args.full else (MEMORY if args.memory else QUICK)
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -873,7 +594,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.ceiling or args.price_with) and args.dtype == "auto":
         args.dtype = "float32"  # Their texts must be plain greedy's, so that what each step could accept is known.
     if args.dtype == "auto":
-        native = native_half_precision(_device(args))
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        native = native_half_precision(device)
         args.dtype = native or "float32"
         print(
             f"dtype: {args.dtype} ("
@@ -890,8 +612,8 @@ def main(argv: list[str] | None = None) -> None:
         args.methods = ["greedy", *args.methods]
     if args.whisper and args.reference_fp32:
         parser.error("--reference-fp32 compares causal language models; drop it with --whisper.")
-    if args.whisper and (args.sampling or args.batched or args.cost_curve or args.model):
-        parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop the other modes.")
+    if args.whisper and args.model:
+        parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop --model.")
     if args.arrival_rate is not None and not args.continuous_batching:
         parser.error("--arrival-rate sets the load of --continuous-batching; add it, or drop --arrival-rate.")
     if args.arrival_rate is not None and min(args.arrival_rate) <= 0:
@@ -910,81 +632,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--context-tokens takes a number of tokens above 0, for the text models' generate benchmark.")
     if not 0 <= args.first_problem < TUNING_PROBLEMS:
         parser.error(f"--first-problem must be one of the tuning problems, 0 to {TUNING_PROBLEMS - 1}.")
-    if args.cost_curve:
-        run_cost_curve(args)
-        return
+
+
+def main(argv: list[str] | None = None, workload: Workload | None = None) -> None:
+    """
+    Runs the benchmark the arguments pick (see `BENCHMARKS`) and writes its report into `--output-dir`.
+
+    Args:
+        argv (`list[str]`, *optional*): the arguments, by default the command line's.
+        workload (`Workload`, *optional*): what the benchmark runs on, by default what the arguments name.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    resolve_arguments(args, parser, argv)
+    run = next((BENCHMARKS[name] for name in BENCHMARKS if getattr(args, name)), side_by_side)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if args.sampling:
-        result = run_sampling_benchmark(args)
-        result["summary"] = summarize_sampling(result)
-        table = format_sampling_table(result["summary"], result["distribution_checks"])
-        (out / "sampling.json").write_text(json.dumps(result, indent=1))
-        (out / "sampling.txt").write_text(table + "\n")
-        print(table)
-        return
-    if args.departures:
-        model, tokenizer, device = _load(args)
-        result = run_departures(args, model, tokenizer, _prompts(args, tokenizer, device))
-        _write_report(
-            out / f"departures-{args.dtype}", result, args, device, summarize_departures, format_departures_table
-        )
-        return
-    if args.quality:
-        model, tokenizer, device = _load(args)
-        result = run_quality(args, model, tokenizer)
-        _write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
-        return
-    if args.price_with:
-        model, tokenizer, device = _load(args)
-        result = run_priced(args, model, _prompts(args, tokenizer, device))
-        priced_rows = functools.partial(summarize_priced, pass_ms=args.pass_ms)
-        _write_report(out / "priced", result, args, device, priced_rows, format_priced_table)
-        return
-    if args.ceiling:
-        model, tokenizer, device = _load(args)
-        result = run_ceiling(args, model, tokenizer, _prompts(args, tokenizer, device))
-        _write_report(out / "ceiling", result, args, device, summarize_ceiling, format_ceiling_table)
-        return
-    if args.continuous_batching:
-        model, tokenizer, device = _load(args, attn_implementation="sdpa")
-        result = run_continuous_batching(args, model, tokenizer, _prompts(args, tokenizer, device))
-        stem = out / f"continuous_batching-{args.dtype}"
-        _write_report(stem, result, args, device, summarize_continuous_batching, format_continuous_batching_table)
-        plot_continuous_batching(result["summary"], stem.with_suffix(".png"))
-        return
-    if args.memory:
-        model, tokenizer, device = _load(args)
-        result = run_memory_benchmark(args, model, tokenizer, device, ForwardTimer(model))
-        result["environment"] = _environment(args, device)
-        result["summary"] = summarize_memory(result)
-        table = format_memory_table(result["summary"], result)
-        (out / "memory.json").write_text(json.dumps(result, indent=1))
-        (out / "memory.txt").write_text(table + "\n")
-        plot_memory(result["summary"], out / "memory.png")
-        print(table)
-        return
-    if args.batched:
-        result = run_batched_benchmark(args)
-        result["summary"] = summarize_batched(result)
-        table = format_batched_table(result["summary"])
-        (out / "batched.json").write_text(json.dumps(result, indent=1))
-        (out / "batched.txt").write_text(table + "\n")
-        plot_batched(result["summary"], out / "batched.png")
-        print(table)
-        return
-    result = run_benchmark(args)
-    rows = summarize(result)
-    result["summary"] = rows
-    name = "whisper" if args.whisper else "benchmark"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    table = format_table(rows)
-    warmup = ", ".join(f"{method} {seconds:.1f}" for method, seconds in result["warmup_seconds"].items())
-    table += f"\nfirst call of each method (seconds, compilation included): {warmup}"
-    (out / f"{name}.txt").write_text(table + "\n")
-    plot(result, rows, out / f"{name}.png")
-    print(table)
-    print(f"\nwritten: {out / name}.json, .txt, .png")
+    run(args, Workload(args) if workload is None else workload, out)
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
         args: the benchmark's arguments (`concurrency`, `arrival_rate`, `repeats`, `max_new_tokens`).
         model: the model, with lookahead enabled (`enable_lookahead`).
         tokenizer: its tokenizer.
-        prompts: `(prompt_id, category, input_ids, length)` per prompt, as `benchmark._prompts` gives them.
+        prompts: `(prompt_id, category, input_ids, length)` per prompt, as `Workload.prompts` gives them.
     """
     from tqdm.auto import tqdm
 
