@@ -37,6 +37,7 @@ from utils.cb_benchmark import (
 from utils.faithfulness import (
     DEPARTURE_METHODS,
     STATIC_CACHE_ROOM,
+    _batch_pair,
     _step_offset,
     first_departure,
     format_departures_table,
@@ -379,6 +380,11 @@ class DeparturesTest(unittest.TestCase):
         self.assertEqual(first_departure([1, 5, 3], [1, 2, 3]), 1)
         self.assertEqual(first_departure([1, 2], [1, 2, 3]), 2, "stopping early is a departure")
 
+    def test_each_batch_of_two_serves_both_its_prompts(self):
+        self.assertEqual([_batch_pair(index, 5) for index in range(5)], [(0, 1), (0, 1), (2, 3), (2, 3), (0, 4)])
+        self.assertEqual([_batch_pair(index, 4) for index in range(4)], [(0, 1), (0, 1), (2, 3), (2, 3)])
+        self.assertEqual(_batch_pair(0, 1), (0, 0), "a prompt alone is batched with itself")
+
     def test_where_a_token_sits_in_its_step(self):
         steps = (1, 3, 2)  # after the prefill's token 0: [1], [2, 3, 4], [5, 6]
         self.assertEqual([_step_offset(steps, position) for position in range(7)], [None, 0, 0, 1, 2, 0, 1])
@@ -425,11 +431,12 @@ class DeparturesTest(unittest.TestCase):
         prompts = [(f"p{index}", "test", row, row.shape[1]) for index, row in enumerate(rows)]
         args = SimpleNamespace(max_new_tokens=12, dtype="float32", cache_implementation="static")
         generate = model.generate
-        caches = []
+        caches, batch_sizes = [], []
 
         def recording_generate(*args, **kwargs):
-            length = (args[0] if args else kwargs["input_ids"]).shape[1]
-            caches.append((kwargs.get("cache_implementation"), kwargs.get("max_cache_len", 0) - length))
+            inputs = args[0] if args else kwargs["input_ids"]
+            caches.append((kwargs.get("cache_implementation"), kwargs.get("max_cache_len", 0) - inputs.shape[1]))
+            batch_sizes.append(inputs.shape[0])
             return generate(*args, **kwargs)
 
         with mock.patch.object(model, "generate", recording_generate):
@@ -437,6 +444,7 @@ class DeparturesTest(unittest.TestCase):
         # Plain greedy, the batch, every method: one cache size past each input, with room for prompt lookup's
         # candidates.
         self.assertEqual(set(caches), {("static", 12 + STATIC_CACHE_ROOM)}, caches)
+        self.assertEqual(batch_sizes.count(2), 1, "one batch of two serves both prompts")
         self.assertEqual([row["departed"] for row in summarize_departures(result)], [0] * len(DEPARTURE_METHODS))
         self.assertIn("static cache", format_departures_table(summarize_departures(result), result))
 

@@ -147,8 +147,8 @@ def _step_offset(accepted_per_step: tuple[int, ...], position: int) -> int | Non
 
 def run_departures(args, model, tokenizer, prompts, methods: dict | None = None) -> dict:
     """
-    For every prompt: plain greedy, then each method of `DEPARTURE_METHODS` (the batched baseline pairs the prompt
-    with the next one), and the first position where each departs from plain greedy within `args.max_new_tokens`.
+    For every prompt: plain greedy, then each method of `DEPARTURE_METHODS` (the batched baseline decodes prompts two
+    by two, see `_batch_pair`), and the first position where each departs from plain greedy within `args.max_new_tokens`.
     Also, per departure, plain greedy's margin between its two best logits at that position (how near a tie it was)
     and, for lookahead, where in its step the departing token was chosen (`_step_offset`); and plain greedy's margins
     at every position, to compare with. Everything decodes with `args.cache_implementation` (`"dynamic"` when
@@ -166,6 +166,8 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     cache = getattr(args, "cache_implementation", "dynamic")
     results = []
+    # Each batch of two serves both its prompts: (prompt pair) -> (output rows, padded prompt length).
+    batched: dict[tuple[int, int], tuple[torch.LongTensor, int]] = {}
     for index, (prompt_id, category, ids, prompt_length) in enumerate(tqdm(prompts, desc="departures", unit="prompt")):
         own_cache = cache_kwargs(cache, ids.shape[1], args.max_new_tokens)
         plain = model.generate(ids, **common, **own_cache, output_scores=True, return_dict_in_generate=True)
@@ -174,11 +176,14 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
         departures, details, off_greedy, forwards = {}, {}, {}, {}
         for method, kwargs in methods.items():
             if kwargs is None:
-                neighbour = prompts[(index + 1) % len(prompts)][2]
-                batch = left_padded([ids, neighbour], pad_id)
-                batch_cache = cache_kwargs(cache, batch["input_ids"].shape[1], args.max_new_tokens)
-                row = model.generate(**batch, **common, **batch_cache, pad_token_id=pad_id)[0]
-                generated = _new_tokens(row, batch["input_ids"].shape[1], pad_id, tokenizer.eos_token_id)
+                pair = _batch_pair(index, len(prompts))
+                if pair not in batched:
+                    batch = left_padded([prompts[member][2] for member in pair], pad_id)
+                    batch_cache = cache_kwargs(cache, batch["input_ids"].shape[1], args.max_new_tokens)
+                    rows = model.generate(**batch, **common, **batch_cache, pad_token_id=pad_id)
+                    batched[pair] = (rows, batch["input_ids"].shape[1])
+                rows, batch_length = batched[pair]
+                generated = _new_tokens(rows[pair.index(index)], batch_length, pad_id, tokenizer.eos_token_id)
                 steps = None
             else:
                 out = model.generate(ids, **common, **own_cache, **kwargs, return_dict_in_generate=True)
@@ -214,6 +219,17 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
         "max_new_tokens": args.max_new_tokens,
         "cache": cache,
     }
+
+
+def _batch_pair(index: int, count: int) -> tuple[int, int]:
+    """
+    The batch of two that holds prompt `index` of `count` for the batched baseline, in batch order: prompts 0 and 1
+    together, 2 and 3, and so on; a last prompt without a partner goes with the first.
+    """
+    partner = index ^ 1
+    if partner >= count:
+        partner = (index + 1) % count
+    return (min(index, partner), max(index, partner))
 
 
 def cache_kwargs(cache: str, input_length: int, max_new_tokens: int) -> dict:
