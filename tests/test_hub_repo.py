@@ -138,10 +138,26 @@ class StockTransformersTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def _check(self, result: dict) -> None:
+    @classmethod
+    def routes(cls) -> dict:
+        """What the stock user saw through both routes, from one process in the stock venv (run on first use)."""
+        if not hasattr(cls, "_routes"):
+            job = {
+                "model": str(cls.folder),
+                "routes": ["custom_generate", "model_folder"],
+                "repo": str(cls.repo),
+                "prompts": cls.prompts,
+                "max_new_tokens": cls.MAX_NEW_TOKENS,
+                "calls": cls.CALLS,
+            }
+            cls._routes = run_in_stock_venv(STOCK_USER, job)
+        return cls._routes
+
+    def _check(self, route: str) -> None:
+        result = self.routes()
         self.assertFalse(result["lookahead_importable"], "the stock venv must not hold transformers_lookahead")
-        self.assertIn("lookahead_decoding", result["loaded"], "the folder's own modules ran")
-        lookahead, auto, off = result["calls"]
+        self.assertIn("lookahead_decoding", result["loaded"][route], "the folder's own modules ran")
+        lookahead, auto, off = result["calls"][route]
         for index, plain in enumerate(result["plain"]):
             new_tokens = len(plain) - len(self.prompts[index])
             self.assertEqual(new_tokens, self.MAX_NEW_TOKENS)
@@ -151,21 +167,11 @@ class StockTransformersTest(unittest.TestCase):
             self.assertLess(auto[index]["passes"], new_tokens, 'multi-token steps with "auto"')
             self.assertEqual(off[index]["passes"], new_tokens, "one pass per token with lookahead off")
 
-    def _job(self, route: str) -> dict:
-        return {
-            "model": str(self.folder),
-            "route": route,
-            "repo": str(self.repo),
-            "prompts": self.prompts,
-            "max_new_tokens": self.MAX_NEW_TOKENS,
-            "calls": self.CALLS,
-        }
-
     def test_custom_generate_repo_with_call_settings(self):
-        self._check(run_in_stock_venv(STOCK_USER, self._job("custom_generate")))
+        self._check("custom_generate")
 
     def test_model_folder_route(self):
-        self._check(run_in_stock_venv(STOCK_USER, self._job("model_folder")))
+        self._check("model_folder")
 
     def test_served_model_folder_with_two_clients(self):
         import openai

@@ -8,8 +8,8 @@ own, keeps the accepted entries (copying them into place in the request's pages)
 what it kept. Prefill, chunked prefill, scheduling and requests joining and leaving stay Transformers' own.
 
 As a separate package this reaches into Transformers' continuous-batching internals: every one of those reaches is
-in `compatibility.py` (the processor's and manager's hooks, the paged cache's moves and pages), whose
-`check_private_apis` names what moved when a Transformers release changes them.
+in `compatibility.py` (the processor's and manager's hooks, the paged cache's moves and pages), and
+`tests/test_compatibility.py` names what moved when a Transformers release changes them.
 """
 
 from __future__ import annotations
