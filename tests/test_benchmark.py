@@ -819,12 +819,15 @@ class HostTimeTest(unittest.TestCase):
         runs = []
         for method, settings in (("greedy", {}), ("lookahead_7_5_7", {"lookahead_window": 7})):
             steps = step_host_times(timer, random_prompt(20), 40, **settings)
-            # Each step but the last: tokens generated before it, host ms, pass ms, tokens it kept; the prefill gave
-            # the first token.
+            # Each step but the last: tokens generated before it, host ms, pass ms, tokens it kept, tokens its pass
+            # fed; the prefill gave the first token.
             self.assertLess(sum(step[3] for step in steps) + 1, 40, method)
             self.assertEqual(steps[0][0], 1)
             self.assertEqual([step[0] for step in steps[1:]], [a[0] + a[3] for a in steps[:-1]])
             self.assertTrue(all(step[1] >= 0 and step[2] > 0 for step in steps))
+            self.assertTrue(all(step[4] >= step[3] for step in steps), "a step keeps at most what it fed")
+            if method == "greedy":
+                self.assertEqual({step[4] for step in steps}, {1})
             runs.append({"method": method, "steps": steps})
         rows = {row["method"]: row for row in summarize_host_time(runs, 40, 10)}
         self.assertEqual(rows["greedy"]["early_steps"], 9)  # tokens 1-9: the first came from the prefill
@@ -832,6 +835,10 @@ class HostTimeTest(unittest.TestCase):
         self.assertGreater(rows["lookahead_7_5_7"]["early_kept"] + rows["lookahead_7_5_7"]["late_kept"], 2)
         for row in rows.values():
             self.assertAlmostEqual(row["host_ratio"], row["late_host_ms"] / row["early_host_ms"])
+        self.assertEqual((rows["greedy"]["shape_fed"], rows["greedy"]["shape_kept"]), (1, 1))
+        self.assertAlmostEqual(
+            rows["greedy"]["shape_ratio"], rows["greedy"]["shape_late_host_ms"] / rows["greedy"]["shape_early_host_ms"]
+        )
 
 
 class PricedStepsTest(unittest.TestCase):

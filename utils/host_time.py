@@ -36,11 +36,11 @@ METHODS = {
 
 def step_host_times(
     timer: ForwardTimer, prompt: torch.LongTensor, new_tokens: int, **kwargs
-) -> list[tuple[int, float, float, int]]:
+) -> list[tuple[int, float, float, int, int]]:
     """
     One call's decoding steps but the last, as `(tokens generated before the step, host ms after its pass, its
-    pass's ms, tokens it kept)`. A step's host time runs from its pass's end to the next pass's start: verifying and
-    committing what it kept, learning from it, and planning and laying out the next step.
+    pass's ms, tokens it kept, tokens its pass fed)`. A step's host time runs from its pass's end to the next pass's
+    start: verifying and committing what it kept, learning from it, and planning and laying out the next step.
 
     Args:
         timer (`ForwardTimer`): the timer hooked to the model.
@@ -53,7 +53,8 @@ def step_host_times(
     # Pass 0 is the prefill; the last step has no next pass to time its host work against.
     for index, kept in enumerate(accepted[:-1], start=1):
         (started, ended), (following, _) = spans[index], spans[index + 1]
-        steps.append((generated, 1000 * (following - ended), 1000 * (ended - started), kept))
+        fed = timer.passes[index][0]
+        steps.append((generated, 1000 * (following - ended), 1000 * (ended - started), kept, fed))
         generated += kept
     return steps
 
@@ -86,6 +87,16 @@ def summarize_host_time(runs: list[dict], new_tokens: int, window: int) -> list[
             row["matched_early_host_ms"] = statistics.median(step[1] for step in early if step[3] == kept)
             row["matched_late_host_ms"] = statistics.median(step[1] for step in late if step[3] == kept)
             row["matched_ratio"] = row["matched_late_host_ms"] / row["matched_early_host_ms"]
+        # And between steps of one shape (as many tokens fed and kept), whose host work differs only by what the
+        # text's length adds: "auto" feeds more late in a text that repeats itself (the window, longer candidates).
+        shapes = Counter((step[4], step[3]) for step in late)
+        shared = [shape for shape, _ in shapes.most_common() if sum((s[4], s[3]) == shape for s in early) >= 3]
+        if shared:
+            fed, kept = shared[0]
+            row["shape_fed"], row["shape_kept"] = fed, kept
+            row["shape_early_host_ms"] = statistics.median(s[1] for s in early if (s[4], s[3]) == (fed, kept))
+            row["shape_late_host_ms"] = statistics.median(s[1] for s in late if (s[4], s[3]) == (fed, kept))
+            row["shape_ratio"] = row["shape_late_host_ms"] / row["shape_early_host_ms"]
         rows.append(row)
     return rows
 

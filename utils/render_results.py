@@ -321,13 +321,18 @@ def _host_time_table(result: dict) -> list[str]:
             if "matched_kept" in r
             else "-",
             _x(r.get("matched_ratio")),
+            f"{r['shape_fed']} / {r['shape_kept']}: {_f(r['shape_early_host_ms'])} / {_f(r['shape_late_host_ms'])}"
+            if "shape_kept" in r
+            else "-",
+            _x(r.get("shape_ratio")),
             f"{_f(r['early_pass_ms'], 1)} / {_f(r['late_pass_ms'], 1)}",
         ]
         for r in result["host_time"]
     ]
     header = ["method", "steps (first / last)", "tokens kept per step (first / last)"]
     header += [f"host ms, first {window} tokens", f"host ms, last {window} tokens", "last / first"]
-    header += ["steps keeping as many: kept, host ms first / last", "last / first", "pass ms (first / last)"]
+    header += ["steps keeping as many: kept, host ms first / last", "last / first"]
+    header += ["steps of one shape: fed / kept, host ms first / last", "last / first", "pass ms (first / last)"]
     return _table(header, rows)
 
 
@@ -435,7 +440,9 @@ KINDS = [
         "`utils/host_time.py`: the time from a step's forward pass's end to the next pass's start (verifying, "
         "committing and learning from the step, planning and laying out the next), median over the steps in the "
         "first and in the last tokens of long texts (end-of-sequence ignored), methods interleaved per prompt; and "
-        "the same between steps that kept as many tokens (a step that keeps more verifies, appends and moves more).",
+        "the same between steps that kept as many tokens (a step that keeps more verifies, appends and moves more), "
+        "and between steps of one shape, as many tokens fed and kept (a step that feeds more also plans and verifies "
+        "more), whose host work differs only by what the text's length adds.",
         lambda r: "host_time" in r,
         _host_time_table,
     ),
