@@ -148,11 +148,11 @@ def _step_offset(accepted_per_step: tuple[int, ...], position: int) -> int | Non
 def run_departures(args, model, tokenizer, prompts, methods: dict | None = None) -> dict:
     """
     For every prompt: plain greedy, then each method of `DEPARTURE_METHODS` (the batched baseline decodes prompts two
-    by two, see `_batch_pair`), and the first position where each departs from plain greedy within `args.max_new_tokens`.
-    Also, per departure, plain greedy's margin between its two best logits at that position (how near a tie it was)
-    and, for lookahead, where in its step the departing token was chosen (`_step_offset`); and plain greedy's margins
-    at every position, to compare with. Everything decodes with `args.cache_implementation` (`"dynamic"` when
-    absent).
+    by two, see `_batch_pair`), and the first position where each departs from plain greedy within
+    `args.max_new_tokens`. Also, per departure, plain greedy's margin between its two best logits at that position
+    (how near a tie it was) and, for lookahead, where in its step the departing token was chosen (`_step_offset`);
+    and plain greedy's margins at every position, to compare with. Everything decodes with
+    `args.cache_implementation` (`"dynamic"` when absent).
 
     Args:
         prompts (`list`): `(prompt_id, category, input_ids, prompt_length)` as the benchmark builds them.
