@@ -594,8 +594,7 @@ def resolve_arguments(args, parser: argparse.ArgumentParser, argv: list[str] | N
     if (args.ceiling or args.price_with) and args.dtype == "auto":
         args.dtype = "float32"  # Their texts must be plain greedy's, so that what each step could accept is known.
     if args.dtype == "auto":
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        native = native_half_precision(device)
+        native = native_half_precision(Workload(args).device)
         args.dtype = native or "float32"
         print(
             f"dtype: {args.dtype} ("
