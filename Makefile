@@ -23,10 +23,11 @@ install: $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[testing,quality,benchmark]"
 
-# Two workers share the cores (tests/conftest.py gives each its share of threads and keeps a class's tests together).
+# Two workers share the cores: each takes a test class at a time (its shared setup once) and its share of the threads
+# (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install
-	RUN_SLOW=$${RUN_SLOW:-1} $(PY) -m pytest tests -v -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadgroup
+	RUN_SLOW=$${RUN_SLOW:-1} $(PY) -m pytest tests -v -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The suite (without the slow real-model tests) against the oldest Transformers allowed, in its own venv; skipped
 # while that is the version `make test` already ran against.
@@ -34,7 +35,7 @@ test-oldest: install
 	@if $(PY) -c "import sys, transformers; sys.exit(transformers.__version__.startswith('$(TRANSFORMERS_OLDEST).'))"; then \
 		$(MAKE) install VENV=$(OLDEST_VENV) && \
 		$(OLDEST_VENV)/bin/python -m pip install --quiet "transformers==$(TRANSFORMERS_OLDEST).*" && \
-		RUN_SLOW=0 $(OLDEST_VENV)/bin/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup; \
+		RUN_SLOW=0 $(OLDEST_VENV)/bin/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder; \
 	else \
 		echo "test-oldest: the oldest Transformers allowed ($(TRANSFORMERS_OLDEST)) is the one make test ran against."; \
 	fi

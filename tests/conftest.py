@@ -1,8 +1,7 @@
 """
 Keeps the test suite hermetic (cost tables measured by `"auto"` go to a temporary directory of this run) and lets it
-run on several workers (`pytest -n 2`, as `make test` does): each worker takes its share of the cores, and the tests
-of a class that sets up shared state (`setUpClass`: a model, its greedy references, a server, a venv) stay in one
-worker, so that the state is built once.
+run on several workers (`pytest -n 2 --dist loadscope`, as `make test` does): each worker takes its share of the
+cores, a test class runs in one worker (its shared setup once), and the longest tests start first.
 """
 
 import os
@@ -23,19 +22,18 @@ def pytest_configure(config):
     os.environ[COST_DIR_VARIABLE] = directory
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        # A worker with a thread per core would fight the others for them; the processes a test starts (servers,
-        # the stock venv) inherit the share through `OMP_NUM_THREADS`.
+        # Workers with a thread per core each fight over the cores: two of two threads each on two cores decoded 5x
+        # slower than two of one thread (measured). The processes a test starts (servers, the stock venv) inherit
+        # the share through `OMP_NUM_THREADS`.
         threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # Before xdist reads the groups (`--dist loadgroup`); without xdist the mark is inert.
-    for item in items:
-        if item.cls is not None and "setUpClass" in vars(item.cls):
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{item.cls.__name__}"))
+    # The longest tests first, so that the other workers take everything else meanwhile instead of waiting for them
+    # at the end (the order tests run in is otherwise collection order; nothing depends on it).
+    items.sort(key=lambda item: item.get_closest_marker("long_running") is None)
 
 
 def pytest_unconfigure(config):
