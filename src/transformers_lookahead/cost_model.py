@@ -19,12 +19,9 @@ COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 class StepCostModel:
     """
-    Forward-pass time as a function of the step length T, relative to a one-token step.
-
-    On a GPU a step of 64 tokens costs about as much as one token; on a CPU the cost grows with T, and not even
-    monotonically (BLAS kernels switch blocking at some sizes: on a 2-core x86 machine 6 tokens were measured cheaper
-    than 3). Lookahead decoding pays only when the tokens a step accepts outgrow what the step costs, so the adaptive
-    policy reads this table instead of assuming either regime.
+    Forward-pass time as a function of the step length T, relative to a one-token step: about flat on a GPU, growing
+    (not even monotonically: BLAS kernels switch blocking at some sizes) on a CPU, so the adaptive policy reads the
+    measured table instead of assuming either regime.
 
     Args:
         relative_costs (`dict[int, float]`): cost of a step of T tokens divided by the cost of one token.
@@ -47,11 +44,7 @@ class StepCostModel:
         return costs[-1] + slope * (length - lengths[-1])
 
     def for_batch(self, batch_size: int) -> StepCostModel:
-        """
-        The cost of a step of T tokens per row for a batch of `batch_size` rows, relative to a one-token step of that
-        batch: a batch step feeds `batch_size x T` tokens, so on a CPU each extra token per row costs more the larger
-        the batch.
-        """
+        """The cost of a step of T tokens per row of `batch_size` rows, relative to a one-token step of that batch."""
         if batch_size == 1:
             return self
         base = self(batch_size)
@@ -61,13 +54,10 @@ class StepCostModel:
 class StepPricing:
     """
     What a step of T tokens costs, in one-token steps of the batch, as the adaptive policy weighs it against the
-    tokens it expects.
-
-    The table's excess over one token is rescaled by a running factor learnt from the measured durations of the steps
-    that ran (tables measured on an idle machine drift when the load or the context length changes). What no factor
-    within its bounds explains, a step costlier than its table says by more than a factor of the excess can account
-    for (a table near flat where steps are not, as on a GPU driven by a slow host), is learnt per band of step lengths
-    (`length.bit_length()`) and multiplies their cost.
+    tokens it expects: the table's excess over one token, rescaled by a running factor learnt from measured step
+    durations (a table drifts with the load and the context length), times a factor per band of step lengths
+    (`length.bit_length()`) for what no bounded rescaling explains (a near-flat table where steps are not, as on a
+    GPU driven by a slow host).
 
     Args:
         table (`StepCostModel`): the model's table, for a step of the batch as it is now (`use_table`).
@@ -97,10 +87,7 @@ class StepPricing:
         return self.timed and self._single_token_seconds is None
 
     def start_from(self, excess_scale: float, underpricing: tuple[tuple[int, float], ...]) -> None:
-        """
-        Starts from what an earlier call learnt: on a device whose table is off, each call would otherwise spend its
-        first steps learning it again. The one-token time is not carried (it grows with the context).
-        """
+        """Starts from what an earlier call learnt (not the one-token time: it grows with the context)."""
         self.excess_scale, self.underpricing = excess_scale, dict(underpricing)
 
     def learnt(self) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -140,21 +127,16 @@ class StepPricing:
 
 class EngineStepCost:
     """
-    What a step of a continuous-batching engine costs, learnt from the engine's own steps.
-
-    The `StepCostModel` table times one sequence's passes over a contiguous cache. A pass of Transformers' paged
-    engine also gathers every scheduled request's pages and masks all of the batch's query tokens against all of its
-    keys, so its time grows with the keys and with queries x keys as well, and more steeply with load than the table
-    says. Around the pass the host lays out the batch and its mask, then verifies each request and moves its accepted
-    entries into place: work that a one-token step of plain continuous batching does not do, and that grows with the
-    requests a step verifies. A whole step (forward pass and host work) is fitted as
+    What a step of a continuous-batching engine costs, learnt from the engine's own steps. Unlike one sequence's pass
+    over a contiguous cache (the table), a paged pass gathers every request's pages and masks all query tokens
+    against all keys, and around it the host lays out the batch and verifies and moves each request's entries. A
+    whole step is fitted as
 
         seconds = a + b * table(Q) + c * Q + d * K + e * Q * K + f * V
 
-    (Q query tokens and K key tokens in the pass, V requests verifying candidates; every coefficient clipped at zero)
-    by least squares over the latest `steps_kept` steps, so the fit follows the load as requests come and go. The fit
-    minimises relative errors: what it prices are decoding steps of tens of query tokens, and a prefill chunk of a
-    thousand, taking several times longer, would otherwise decide the fit by its absolute error alone.
+    (Q query and K key tokens in the pass, V requests verifying candidates; coefficients clipped at zero) by least
+    squares on relative errors (a prefill chunk would otherwise outweigh the decoding steps priced) over the latest
+    `steps_kept` steps, so that the fit follows the load.
 
     Args:
         table (`StepCostModel`): the model's step-cost table.
@@ -227,10 +209,8 @@ class EngineStepCost:
 def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     """
     Least squares of the last column (positive) on the others, on relative errors, with no negative coefficient:
-    the most negative one is dropped and the rest fitted again (a time is never made smaller by more tokens).
-
-    It runs once per engine step, so in numpy: `torch.linalg.lstsq` took about 0.8 ms for 64 rows here, numpy's
-    (the same LAPACK driver, coefficients equal to 1e-14) 0.05 ms.
+    the most negative one is dropped and the rest fitted again (a time is never made smaller by more tokens). In
+    numpy: once per engine step, `torch.linalg.lstsq` took 0.8 ms for 64 rows here, numpy's 0.05 ms.
     """
     data = np.asarray(rows, dtype=np.float64)
     # Each row divided by its time: the residuals are then relative errors.

@@ -118,14 +118,10 @@ def generate(
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
         synced_gpus (`bool`, *optional*, defaults to `False`): unsupported, must be False.
-        lookahead_window (`int` or `"auto"`, *optional*): W, window columns (see `LookaheadConfig`).
-        lookahead_ngram (`int` or `"auto"`, *optional*): N, n-gram size.
-        lookahead_guess (`int` or `"auto"`, *optional*): G, the most candidates verified per step.
-        lookahead_pool_from_prompt (`bool`, *optional*): seed the pool from the prompt and the accepted text.
-        lookahead_cache_commit (`str`, *optional*): `"gather"` or `"refeed"`.
-        lookahead_memory (`bool`, *optional*): verify continuations from the suffix memory of earlier calls.
-        lookahead_memory_size (`int`, *optional*): the most tokens the memory keeps.
-        lookahead_memory_namespace (`str`, *optional*): which of the model's memories the call reads and feeds.
+        lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt, lookahead_cache_commit,
+        lookahead_memory, lookahead_memory_size, lookahead_memory_namespace (*optional*): the `LookaheadConfig`
+            fields of the same names (`window`, `ngram`, ...). Named here because Transformers passes a
+            `custom_generate` callable only the keyword arguments its signature names.
         lookahead_config (`LookaheadConfig`, *optional*): the settings, already resolved (what
             `LookaheadGenerationMixin` passes); the `lookahead_*` arguments above are then ignored.
         lookahead_state (`LookaheadState`, *optional*): what earlier calls on this model learnt; defaults to
