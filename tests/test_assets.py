@@ -1,6 +1,8 @@
 import hashlib
+import multiprocessing
 import struct
 import tempfile
+import time
 import unittest
 import wave
 import zipfile
@@ -96,3 +98,30 @@ class QwenCoderAssetTest(unittest.TestCase):
             self.assertEqual(model_path(tmp), Path(tmp))
         with self.assertRaisesRegex(ValueError, "`--model` must be one of \\['qwen-coder', 'smollm2'\\]"):
             model_path("gpt-5")
+
+
+def _make_once(target: Path, barrier, creations: Path) -> None:
+    """What every asset maker does: under the lock, make `target` unless it is there (slowly, as a download is)."""
+    barrier.wait()
+    with assets.exclusive(target):
+        if not target.exists():
+            time.sleep(0.3)
+            with creations.open("a") as log:
+                log.write("made\n")
+            target.write_text("asset")
+
+
+class ExclusiveTest(unittest.TestCase):
+    def test_processes_that_need_one_asset_at_once_make_it_once(self):
+        context = multiprocessing.get_context("fork")
+        with tempfile.TemporaryDirectory() as tmp:
+            target, creations = Path(tmp) / "cache" / "asset", Path(tmp) / "creations"
+            barrier = context.Barrier(3)
+            workers = [context.Process(target=_make_once, args=(target, barrier, creations)) for _ in range(3)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(timeout=30)
+            self.assertEqual([worker.exitcode for worker in workers], [0, 0, 0])
+            self.assertEqual(creations.read_text(), "made\n")
+            self.assertEqual(target.read_text(), "asset")
