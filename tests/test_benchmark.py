@@ -961,3 +961,34 @@ class MainWritesResultFilesTest(unittest.TestCase):
         self.assertIn("revision", result["environment"])
         kind_of(written, result)
         self.assertIn("HumanEval", render_page([(written, result)]))
+
+
+class ServeBenchmarkRequestTest(unittest.TestCase):
+    """`utils/serve_benchmark._request` against a client that streams as `transformers serve` does."""
+
+    class StreamingClient:
+        """Streams two text chunks, then the usage chunk only where the request asked for it (the OpenAI API's rule)."""
+
+        def __init__(self):
+            self.requests = []
+            self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+        def create(self, **request):
+            self.requests.append(request)
+            chunks = [
+                SimpleNamespace(choices=[SimpleNamespace(delta=SimpleNamespace(content=text))], usage=None)
+                for text in ("Hello", " world")
+            ]
+            if (request.get("stream_options") or {}).get("include_usage"):
+                chunks.append(SimpleNamespace(choices=[], usage=SimpleNamespace(completion_tokens=2)))
+            return iter(chunks)
+
+    def test_asks_for_the_usage_chunk_and_counts_its_tokens(self):
+        from utils.serve_benchmark import _request
+
+        client = self.StreamingClient()
+        result = _request(client, "model", [{"role": "user", "content": "Hi"}], 8, namespace="tenant")
+        self.assertEqual((result["tokens"], result["text"]), (2, "Hello world"))
+        self.assertLessEqual(result["ttft"], result["latency"])
+        body = json.loads(client.requests[0]["extra_body"]["generation_config"])
+        self.assertEqual(body, {"lookahead_memory_namespace": "tenant"})

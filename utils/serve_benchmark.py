@@ -40,8 +40,15 @@ def _request(client, model_id: str, messages: list[dict], max_tokens: int, names
     extra = {}
     if namespace is not None:
         extra["extra_body"] = {"generation_config": json.dumps({"lookahead_memory_namespace": namespace})}
+    # The usage chunk comes only when asked for, as the OpenAI API specifies (`transformers serve` follows it).
     stream = client.chat.completions.create(
-        model=model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, **extra
+        model=model_id,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **extra,
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
