@@ -26,8 +26,9 @@ install: $(PY)
 # Two workers share the cores: each takes a test class at a time (its shared setup once) and its share of the threads
 # (tests/conftest.py).
 TEST_WORKERS ?= 2
+WORKER_ARGS := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 test: install
-	RUN_SLOW=$${RUN_SLOW:-1} $(PY) -m pytest tests -v -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	RUN_SLOW=$${RUN_SLOW:-1} $(PY) -m pytest tests -v -p no:cacheprovider --durations=15 $(WORKER_ARGS)
 
 # The suite (without the slow real-model tests) against the oldest Transformers allowed, in its own venv; skipped
 # while that is the version `make test` already ran against.
@@ -35,7 +36,7 @@ test-oldest: install
 	@if $(PY) -c "import sys, transformers; sys.exit(transformers.__version__.startswith('$(TRANSFORMERS_OLDEST).'))"; then \
 		$(MAKE) install VENV=$(OLDEST_VENV) && \
 		$(OLDEST_VENV)/bin/python -m pip install --quiet "transformers==$(TRANSFORMERS_OLDEST).*" && \
-		RUN_SLOW=0 $(OLDEST_VENV)/bin/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder; \
+		RUN_SLOW=0 $(OLDEST_VENV)/bin/python -m pytest tests -q -p no:cacheprovider $(WORKER_ARGS); \
 	else \
 		echo "test-oldest: the oldest Transformers allowed ($(TRANSFORMERS_OLDEST)) is the one make test ran against."; \
 	fi
