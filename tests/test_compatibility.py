@@ -8,6 +8,7 @@ from unittest import mock
 
 import torch
 import transformers
+from parameterized import parameterized
 from transformers import (
     CompileConfig,
     EncoderNoRepeatNGramLogitsProcessor,
@@ -20,12 +21,17 @@ from transformers import (
     SynthIDTextWatermarkLogitsProcessor,
 )
 from transformers.cache_utils import DynamicLayer, StaticSlidingWindowLayer
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import cb_logits_processors
+from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
 )
-from transformers.generation.continuous_batching.requests import RequestState
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+from transformers.generation.continuous_batching.scheduler import Scheduler
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from transformers_lookahead.compatibility import (
@@ -33,8 +39,14 @@ from transformers_lookahead.compatibility import (
     ROLLBACK_LAYERS,
     BatchProcessorHooks,
     become,
+    move_accepted_entries,
     pad_token_id,
+    release_pages_past,
 )
+from transformers_lookahead.configuration_lookahead import LookaheadConfig
+from transformers_lookahead.continuous_batching import LookaheadBatching, LookaheadBatchProcessor
+from transformers_lookahead.lookahead_state import LookaheadState
+from utils.tiny_models import tiny_model
 
 
 def check_private_apis() -> list[str]:
@@ -148,13 +160,6 @@ def check_private_apis() -> list[str]:
         "_device_mesh" in dir(PreTrainedModel) and "tp_size" in dir(PreTrainedModel),
         "`PreTrainedModel._device_mesh` and `tp_size` (used by `tensor_parallel_group`)",
     )
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
-        FullAttentionCacheAllocator,
-    )
-    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
-    from transformers.generation.continuous_batching.scheduler import Scheduler
-
     for name in ("prepare_next_batch", "_generation_step", "update_batch", "reset"):
         expect(callable(getattr(ContinuousBatchProcessor, name, None)), f"`ContinuousBatchProcessor.{name}`")
     expect(
@@ -164,35 +169,6 @@ def check_private_apis() -> list[str]:
     expect(
         parameters(ContinuousBatchingManager._create_batch_processor) == ["self"],
         "`ContinuousBatchingManager._create_batch_processor(self)` (reached by `ManagerHooks`)",
-    )
-    expect(
-        "_requests_to_fork" in inspect.getsource(ContinuousBatchProcessor.update_batch),
-        "`ContinuousBatchProcessor.update_batch` handles forks and nothing else besides tokens (replaced whole)",
-    )
-    prepare = inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
-    expect(
-        "range(past_length, past_length + query_length)" in prepare and "build_attention_mask" in prepare,
-        "`ContinuousBatchingIOs.prepare_batch_tensors` lays a request's query tokens at consecutive positions under "
-        "a causal mask (what `LookaheadBatching.lay_out` rewrites)",
-    )
-    for name in (
-        "position_ids",
-        "cumulative_seqlens_q",
-        "cumulative_seqlens_k",
-        "attention_mask",
-        "requests_in_batch",
-    ):
-        expect(name in inspect.getsource(ContinuousBatchingIOs), f"`ContinuousBatchingIOs.{name}`")
-    expect(
-        parameters(FullAttentionCacheAllocator.get_write_indices)
-        == ["self", "request_id", "past_length", "query_length"]
-        and "_kv_token_views" in inspect.getsource(FullAttentionCacheAllocator.update),
-        "`FullAttentionCacheAllocator.get_write_indices` and `_kv_token_views` (used by `move_accepted_entries`)",
-    )
-    expect(
-        "block_table" in inspect.getsource(CacheAllocator.free_blocks)
-        and "ledger.release" in inspect.getsource(CacheAllocator.free_blocks),
-        "`CacheAllocator.block_table` and `ledger.release` (used by `release_pages_past`)",
     )
     for name, setting in PER_REQUEST_WARPERS.items():
         warper = getattr(cb_logits_processors, name, None)
@@ -209,12 +185,192 @@ def check_private_apis() -> list[str]:
         all(hasattr(state, name) for name in ("tokens_to_process", "position_offset", "generated_tokens")),
         "`RequestState.tokens_to_process`, `position_offset` and `generated_tokens` (read and set per step)",
     )
-    expect(
-        "state.tokens_to_process" in inspect.getsource(Scheduler._infer_request_tokens),
-        "`Scheduler._infer_request_tokens` schedules a decoding request's `tokens_to_process` (how a block reaches "
-        "the batch)",
-    )
+    problems.extend(check_continuous_batching())
     return problems
+
+
+# A small engine driven step by step on the caller's thread: pages of 4 tokens, so that a step spans pages.
+PROBE_ENGINE = dict(num_blocks=16, page_size=4, max_batch_tokens=64, use_cuda_graph=False, use_async_batching=False)
+PROBE_SETTINGS = dict(do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def _probe_engine(
+    max_new_tokens: int = 4,
+) -> tuple[PreTrainedModel, ContinuousBatchingManager, ContinuousBatchProcessor]:
+    """A tiny model, its stock continuous-batching manager, and the processor its thread would run (not started)."""
+    model = tiny_model("llama")
+    generation_config = GenerationConfig(max_new_tokens=max_new_tokens, **PROBE_SETTINGS)
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**PROBE_ENGINE)
+    )
+    return model, manager, manager._create_batch_processor()
+
+
+def _run_step(model: PreTrainedModel, processor: ContinuousBatchProcessor) -> bool:
+    """One engine step as the manager's loop runs it; whether there was a batch."""
+    if not processor.prepare_next_batch():
+        return False
+    processor._generation_step(model)
+    processor.update_batch()
+    return True
+
+
+def _engine_state(manager: ContinuousBatchingManager, processor: ContinuousBatchProcessor) -> tuple:
+    """What a step leaves behind: the requests, the outputs delivered, each allocator's pages and shared blocks."""
+    requests = {
+        request_id: {name: value for name, value in vars(state).items() if "time" not in name and name != "lifespan"}
+        for request_id, state in processor.scheduler.active_requests.items()
+    }
+    outputs = []
+    while not manager.output_router.output_queue.empty():
+        output = vars(manager.output_router.output_queue.get())
+        outputs.append({name: output[name] for name in ("request_id", "generated_tokens", "status", "error")})
+    pages = {
+        name: (
+            processor.cache.pool.count_free_blocks(allocator.index),
+            {request_id: list(table) for request_id, table in allocator.block_table.items()},
+            vars(allocator.ledger),
+        )
+        for name, allocator in processor.cache.cache_allocators.items()
+    }
+    return requests, outputs, pages, sorted(processor.scheduler.waiting_requests)
+
+
+def check_continuous_batching() -> list[str]:
+    """
+    What of Transformers' continuous-batching engine no longer behaves as `continuous_batching.py` and the
+    accessors in `compatibility.py` expect, found by driving stock engines of a tiny model step by step.
+    """
+    return _check_block() + _check_update_batch()
+
+
+def _check_block() -> list[str]:
+    """
+    A decoding request whose `tokens_to_process` holds a block of 3 tokens: scheduled whole, laid out causally at
+    consecutive positions, its entries moved and its pages released as the lookahead engine does. Stops at the first
+    problem: the later checks run on what the earlier ones established.
+    """
+    try:
+        model, manager, processor = _probe_engine()
+        request_id = manager.add_request([5, 6, 7, 8, 9, 10])
+        _run_step(model, processor)
+        state = processor.scheduler.active_requests[request_id]
+        past, block = state.position_offset, [*state.tokens_to_process, 11, 12]
+        state.tokens_to_process = list(block)
+        processor.prepare_next_batch()
+    except Exception as error:  # noqa: BLE001 - a moved API can fail in any way; the check says where
+        return [f"a stock continuous-batching engine driven step by step ({type(error).__name__}: {error})"]
+    io = processor.inputs_and_outputs
+    scheduled = io.input_ids[: io.requests_in_batch[0].query_length].tolist()
+    if scheduled != block:
+        return [
+            "`Scheduler._infer_request_tokens` schedules a decoding request's whole `tokens_to_process` (how a "
+            f"lookahead block reaches the batch; scheduled {scheduled} of {block})"
+        ]
+    positions = io.position_ids[: len(block)].tolist()
+    causal = torch.ones(len(block), past + len(block), dtype=torch.bool).tril(past)
+    masks = [mask[0, 0, : len(block), : past + len(block)] == 0 for mask in (io.attention_mask or {}).values()]
+    if (
+        positions != list(range(past, past + len(block)))
+        or not masks
+        or not all(torch.equal(m, causal) for m in masks)
+    ):
+        return [
+            "`ContinuousBatchingIOs.prepare_batch_tensors` lays a request's query tokens at consecutive `position_ids` "
+            f"under a causal `attention_mask` (what `LookaheadBatching.lay_out` rewrites; positions {positions})"
+        ]
+    try:
+        processor._generation_step(model)
+    except Exception as error:  # noqa: BLE001
+        return [f"a continuous-batching step of a {len(block)}-token block ({type(error).__name__}: {error})"]
+    return _check_entry_moves(processor, request_id, past, len(block)) or _check_page_release(
+        processor, request_id, past
+    )
+
+
+def _check_entry_moves(processor: ContinuousBatchProcessor, request_id: str, past: int, length: int) -> list[str]:
+    """`move_accepted_entries` changes what attention reads: an accepted entry is then read at its new position."""
+    message = (
+        "`FullAttentionCacheAllocator.get_write_indices` and `_kv_token_views`: an entry moved by "
+        "`move_accepted_entries` is what attention then reads at its new position"
+    )
+    allocator = processor.cache.cache_allocators["full_attention"]
+    slots = torch.tensor(allocator.get_write_indices(request_id, past, length))
+    nothing = torch.empty(0, allocator.num_key_value_heads, allocator.head_dim, dtype=allocator.cache_dtype)
+    no_slots = torch.empty(0, dtype=torch.long)
+
+    def read() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # What attention reads at these positions: `update` with nothing to write, as a layer's forward reads.
+        return [allocator.update(nothing, nothing, layer, slots, no_slots) for layer in allocator.layer_indices]
+
+    before = read()
+    try:
+        move_accepted_entries(processor.cache, [(request_id, past, length, 0, [length - 1])])
+    except AttributeError as error:
+        return [f"{message} ({error})"]
+    after = read()
+    moved = all(
+        torch.equal(new[1], old[-1]) and torch.equal(new[0], old[0]) and not torch.equal(old[1], old[-1])
+        for old_pair, new_pair in zip(before, after)
+        for old, new in zip(old_pair, new_pair)
+    )
+    return (
+        []
+        if moved
+        else [
+            "`FullAttentionCacheAllocator.get_write_indices` and `_kv_token_views`: an entry moved by "
+            "`move_accepted_entries` is what attention then reads at its new position"
+        ]
+    )
+
+
+def _check_page_release(processor: ContinuousBatchProcessor, request_id: str, past: int) -> list[str]:
+    """`release_pages_past` gives the pages past a length back to the pool and out of the request's block table."""
+    allocator = processor.cache.cache_allocators["full_attention"]
+    free, table = processor.cache.pool.count_free_blocks(allocator.index), len(allocator.block_table[request_id])
+    keep = -(-(past + 1) // allocator.tokens_per_page)
+    release_pages_past(processor.cache, request_id, past + 1)
+    freed = processor.cache.pool.count_free_blocks(allocator.index) - free
+    if table > keep and len(allocator.block_table[request_id]) == keep and freed == table - keep:
+        return []
+    return [
+        "`CacheAllocator.block_table`, `ledger.release` and `CachePool.free_blocks` (used by `release_pages_past`: "
+        f"{table} pages, {keep} kept, {freed} freed)"
+    ]
+
+
+def _check_update_batch() -> list[str]:
+    """
+    `LookaheadBatchProcessor.update_batch` replaces the stock one whole: on one-token steps (a lookahead whose blocks
+    never fit) the two must leave the requests, the outputs and the pages alike, finished requests included.
+    """
+    stock_model, stock_manager, stock = _probe_engine(max_new_tokens=3)
+    model, manager, processor = _probe_engine(max_new_tokens=3)
+    lookahead = LookaheadBatching(
+        model,
+        LookaheadConfig(window=2, ngram=2),
+        manager.generation_config,
+        manager.logit_processor.logits_processor,
+        LookaheadState(),
+        None,
+        max_batch_tokens=1,
+    )
+    processor = LookaheadBatchProcessor.adopt(processor, lookahead)
+    for engine in (stock_manager, manager):
+        engine.add_request([5, 6, 7, 8, 9], request_id="first")
+        engine.add_request([9, 8, 7, 6, 5, 4, 3], request_id="second", max_new_tokens=2)
+    for step in range(4):
+        try:
+            with torch.no_grad():
+                ran = (_run_step(stock_model, stock), _run_step(model, processor))
+        except Exception as error:  # noqa: BLE001
+            return [f"one-token continuous-batching steps, at step {step} ({type(error).__name__}: {error})"]
+        if ran[0] != ran[1] or _engine_state(stock_manager, stock) != _engine_state(manager, processor):
+            return [
+                "`ContinuousBatchProcessor.update_batch` changes what `LookaheadBatchProcessor.update_batch` "
+                f"(which replaces it) does not, or the reverse (at step {step})"
+            ]
+    return []
 
 
 class PrivateApiTest(unittest.TestCase):
@@ -248,8 +404,8 @@ class PrivateApiTest(unittest.TestCase):
 
         with mock.patch.object(ContinuousBatchProcessor, "_generation_step", _generation_step):
             problems = check_private_apis()
-        self.assertEqual(len(problems), 1)
-        self.assertIn("ContinuousBatchProcessor._generation_step", problems[0])
+        # Named first; the engine probe, which runs that step, reports its failure after it.
+        self.assertIn("ContinuousBatchProcessor._generation_step(self, model)", problems[0])
 
     def test_a_pad_token_no_longer_resolved_is_named(self):
         original = GenerationMixin._prepare_special_tokens
@@ -262,6 +418,89 @@ class PrivateApiTest(unittest.TestCase):
             problems = check_private_apis()
         self.assertEqual(len(problems), 1)
         self.assertIn("_pad_token_tensor", problems[0])
+
+
+def _schedules_one_token(original):
+    def _infer_request_tokens(self, state, *args):
+        if state.status == RequestStatus.DECODING:
+            state.tokens_to_process = state.tokens_to_process[:1]
+        return original(self, state, *args)
+
+    return _infer_request_tokens
+
+
+def _positions_from_zero(original):
+    def prepare_batch_tensors(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.position_ids[: self.num_q_tokens] = torch.arange(self.num_q_tokens)
+
+    return prepare_batch_tensors
+
+
+def _pages_kept(original):
+    def free_blocks(self, index, block_ids):
+        return original(self, index, [])
+
+    return free_blocks
+
+
+def _token_views_renamed(original):
+    def register_cache_tensor(self, *args):
+        original(self, *args)
+        self.token_views = self._kv_token_views
+        del self._kv_token_views
+
+    return register_cache_tensor
+
+
+def _reads_renamed_views(original):
+    def update(self, *args):
+        self._kv_token_views = self.token_views
+        try:
+            return original(self, *args)
+        finally:
+            del self._kv_token_views
+
+    return update
+
+
+def _requests_noted(original):
+    def update_batch(self):
+        original(self)
+        for state in self.scheduler.active_requests.values():
+            state.noted = True
+
+    return update_batch
+
+
+class ContinuousBatchingCheckTest(unittest.TestCase):
+    """Each behaviour the engine probe relies on, changed in a way Transformers could change it, is named."""
+
+    @parameterized.expand(
+        [
+            ("scheduling", Scheduler, "_infer_request_tokens", _schedules_one_token, "_infer_request_tokens"),
+            ("layout", ContinuousBatchingIOs, "prepare_batch_tensors", _positions_from_zero, "prepare_batch_tensors"),
+            ("pages", CachePool, "free_blocks", _pages_kept, "release_pages_past"),
+            ("update", ContinuousBatchProcessor, "update_batch", _requests_noted, "update_batch"),
+        ]
+    )
+    def test_a_changed_behaviour_is_named(self, _, owner, name, change, named):
+        with mock.patch.object(owner, name, change(getattr(owner, name))):
+            problems = check_continuous_batching()
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn(named, problems[0])
+
+    def test_moved_token_views_are_named(self):
+        allocator = FullAttentionCacheAllocator
+        with (
+            mock.patch.object(
+                allocator, "register_cache_tensor", _token_views_renamed(allocator.register_cache_tensor)
+            ),
+            mock.patch.object(allocator, "update", _reads_renamed_views(allocator.update)),
+        ):
+            problems = check_continuous_batching()
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn("_kv_token_views", problems[0])
 
 
 class BecomeTest(unittest.TestCase):
