@@ -13,7 +13,7 @@ from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.compatibility import compile_config, set_attention_implementation_unchecked
 from transformers_lookahead.cost_model import COST_GRID, StepCostModel
 from transformers_lookahead.lookahead_decoding import TokenStoppingCriteria, compiled_buckets
-from transformers_lookahead.step_policy import AdaptiveStepPolicy
+from transformers_lookahead.step_policy import AdaptiveStepPolicy, PolicyEstimates
 
 from .utils import (
     EAGER_ONLY,
@@ -361,41 +361,49 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
             model.generate(self.prompt, max_new_tokens=5, lookahead_window=4)
 
 
+class RecallingState(LookaheadState):
+    """A state that records what each call recalled for its policies (`None`: the call started from the priors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.recalled: list[PolicyEstimates | None] = []
+
+    def recall(self, shape: tuple) -> PolicyEstimates | None:
+        learnt = super().recall(shape)
+        self.recalled.append(learnt)
+        return learnt
+
+
 class EstimateCarryOverTest(unittest.TestCase):
     """`"auto"` calls start from what the previous call of their kind (greedy or sampled) on the model learnt."""
 
-    def _starts(self):
-        return mock.patch.object(
-            AdaptiveStepPolicy, "start_from", autospec=True, side_effect=AdaptiveStepPolicy.start_from
-        )
-
     def test_greedy_calls_carry_their_estimates(self):
-        model = enable_lookahead(tiny_model("llama"))
+        state = RecallingState()
+        model = enable_lookahead(tiny_model("llama"), state)
         prompt = random_prompt(24, seed=1)
         expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
-        with self._starts() as start_from:
-            first = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
-            self.assertEqual(start_from.call_count, 0, "the first call starts from the priors")
-            second = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
-            self.assertEqual(start_from.call_count, 1)
+        first = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
+        self.assertEqual(state.recalled, [None], "the first call starts from the priors")
+        second = model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
         self.assertTrue(torch.equal(first, expected))
         self.assertTrue(torch.equal(second, expected))
-        carried = start_from.call_args.args[1]
+        self.assertEqual(len(state.recalled), 2)
+        carried = state.recalled[1]
+        self.assertIsNotNone(carried)
         self.assertNotEqual(carried.match_rate, AdaptiveStepPolicy(None, 1, 4, context_depth=8).estimates().match_rate)
 
     def test_sampled_calls_carry_their_own_and_stay_reproducible(self):
-        model = enable_lookahead(tiny_model("llama"))
+        state = RecallingState()
+        model = enable_lookahead(tiny_model("llama"), state)
         prompt = random_prompt(24, seed=1)
-        with self._starts() as start_from:
-            torch.manual_seed(3)
-            sampled = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
-            self.assertEqual([key[-1] for key in model.lookahead_state._estimates], [True])
-            model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
-            self.assertEqual(sorted(key[-1] for key in model.lookahead_state._estimates), [False, True])
-            self.assertEqual(start_from.call_count, 0, "greedy calls do not start from sampled estimates")
-            torch.manual_seed(3)
-            again = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
-        self.assertEqual(start_from.call_count, 1)
+        torch.manual_seed(3)
+        sampled = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
+        model.generate(prompt, max_new_tokens=30, do_sample=False, lookahead_window="auto")
+        self.assertEqual(state.recalled, [None, None], "greedy calls do not start from sampled estimates")
+        torch.manual_seed(3)
+        again = model.generate(prompt, max_new_tokens=30, do_sample=True, lookahead_window="auto")
+        self.assertEqual(len(state.recalled), 3)
+        self.assertIsNotNone(state.recalled[2], "the second sampled call starts from the first one's estimates")
         self.assertTrue(torch.equal(again, sampled), "a seed must reproduce a sampled call whatever came before")
 
 

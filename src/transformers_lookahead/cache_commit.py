@@ -20,11 +20,8 @@ from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 class EntryMoves:
     """
     The copies a cache commit makes in every layer: in row b, the entry `start + index[b][j]` goes to `start + j`.
-    Built once per step and applied to each layer (`apply`), so that the index tensors are built once per step
-    rather than once per layer (0.6 -> 0.3 ms per step over SmolLM2's 30 layers, bf16, measured).
-
-    One row moves by `index_select` and `index_copy_` (about a third of a gather's time, CPU, measured), several
-    rows by one `gather` per tensor.
+    Built once per step and applied to each layer (`apply`), so the index tensors are built once per step. One row
+    moves by `index_select` and `index_copy_` (cheaper than a gather), several rows by one `gather` per tensor.
 
     Args:
         index (`list[list[int]]`): per row, the offsets from `start` of its entries, in their new order.
@@ -62,24 +59,15 @@ class CacheCommitter:
     """
     Keeps the KV entries of the tokens a step accepted and drops the rest.
 
-    After a step's forward pass the last `T` entries of every layer belong to the step: its pending tokens first,
-    then the window and the tree. Two exact ways to keep the accepted tokens:
+    After a step's forward pass the last `T` entries of every layer are the step's: its pending tokens, then the
+    window and the tree. `"gather"` copies the matched nodes' entries right after the pending tokens and crops the
+    rest (they were computed at their final positions and context: plain decoding's entries); `"refeed"` crops all
+    but the pending tokens and feeds the accepted ones again next step, never touching layer tensors.
 
-    - `"gather"`: copy the matched tree nodes' entries right after the pending tokens, then crop the remainder. The
-      entries were computed at the nodes' final positions with their final context, so they are the entries plain
-      decoding would have written. Only the last accepted token is fed to the next step.
-    - `"refeed"`: crop everything but the pending tokens and feed all accepted tokens again in the next step. It
-      never touches layer tensors, at the price of `m` more tokens in the next forward pass.
-
-    Sliding-window layers keep their full recent states until the crop (`activate_past_recording`), so both ways
-    work for them too. Static layers (`StaticCache`) are written in place: the step lands right after the tokens
-    they hold, `crop` moves their length back and the next step overwrites what was dropped; nothing is reallocated.
-    Their length lives on the device, so the committer keeps it on the host (`seq_length`): read once at `start`,
-    then moved by what each commit keeps, so that no step waits for the device to learn it.
-
-    In a batch every sequence keeps its own tokens; the cache grows by the most any sequence kept (see `commit`).
-    Dynamic sliding-window layers are kept compact instead: each sequence's tokens are the last ones of its row, as
-    with left padding, so the `sliding_window - 1` slots the layer keeps are each sequence's latest tokens.
+    Sliding-window layers keep their recent states until the crop (`activate_past_recording`). Static layers are
+    written in place and cropped back; their length lives on the device, so it is kept on the host (`seq_length`),
+    read once at `start` and moved by each commit. In a batch the cache grows by the most any sequence kept;
+    dynamic sliding layers stay compact instead (each sequence's tokens last in its row, as with left padding).
 
     Args:
         cache (`Cache`): a cache whose layers are among `ROLLBACK_LAYERS`.

@@ -1,11 +1,7 @@
 """
-The private Transformers APIs lookahead decoding relies on, in one place.
-
-Upstream, `generate` and the continuous-batching engine would call these internals directly. As a separate package
-it reaches them only through this module (accessors, and the hooks its continuous-batching engine subclasses), so
-that a Transformers release that renames or changes one of them breaks here, in one place, and
-`tests/test_compatibility.py` says which one moved (run against the oldest and the newest Transformers `setup.py`
-allows).
+The private Transformers APIs lookahead decoding relies on, in one place: upstream, `generate` and the
+continuous-batching engine would call them directly. A release that changes one breaks here, and
+`tests/test_compatibility.py` says which one moved.
 """
 
 from __future__ import annotations
@@ -144,19 +140,10 @@ def can_roll_back(layer: CacheLayerMixin) -> bool:
 
 def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: int) -> LogitsProcessorList:
     """
-    The processors `generate` built for the whole batch, as they apply to one row called on that row alone (a
-    lookahead step verifies every row on its own, one accepted token at a time).
-
-    Most processors treat the rows of a batch alike (`tests/test_logits_processors.py` checks every one a
-    `GenerationConfig` builds). These hold per-row data or state and get a copy for the row:
-    - `PrefixConstrainedLogitsProcessor`: the user's `prefix_allowed_tokens_fn` gets the row's index in the batch
-      (`_prefix_allowed_tokens_fn`);
-    - `RepetitionPenaltyLogitsProcessor` with one `prompt_ignore_length` per row;
-    - `EncoderRepetitionPenaltyLogitsProcessor` and `EncoderNoRepeatNGramLogitsProcessor`: the row's encoder inputs
-      (`encoder_input_ids`; `generated_ngrams` and `batch_size`), rows of one input being consecutive, as with
-      `num_return_sequences`;
-    - `SynthIDTextWatermarkLogitsProcessor`: a state of its own (`state`), which the processor creates for the batch
-      it first sees and extends at every call.
+    The processors `generate` built for the whole batch, as they apply to one row called alone (a step verifies
+    every row on its own). Those holding per-row data or state get a copy for the row: the prefix function gets the
+    row's index, a per-row `prompt_ignore_length` and the encoder processors' inputs are cut to the row's (rows of
+    one input consecutive, as with `num_return_sequences`), and the SynthID watermark starts its own state.
 
     Args:
         logits_processor (`LogitsProcessorList`): the processors of the call.

@@ -1,15 +1,10 @@
 """
 Lookahead decoding inside Transformers' continuous batching (`generate_batch`, `init_continuous_batching`).
 
-Continuous batching packs the query tokens of many requests into one forward pass over a paged KV cache, one token
-per decoding request. Here each decoding request may instead contribute a block: its pending token, its window and
-its candidates (`StepLayout.row`), with its own mask over its own paged KV. The step verifies every request on its
-own, keeps the accepted entries (copying them into place in the request's pages), and gives back the pages past
-what it kept. Prefill, chunked prefill, scheduling and requests joining and leaving stay Transformers' own.
-
-As a separate package this reaches into Transformers' continuous-batching internals: every one of those reaches is
-in `compatibility.py` (the processor's and manager's hooks, the paged cache's moves and pages), and
-`tests/test_compatibility.py` names what moved when a Transformers release changes them.
+Each decoding request contributes a block instead of one token: its pending token, window and candidates
+(`StepLayout.row`), masked over its own paged KV. The step verifies every request on its own, moves the accepted
+entries into place in its pages and gives back the pages past them. Prefill, scheduling and requests joining and
+leaving stay Transformers' own; every reach into its internals is in `compatibility.py`.
 """
 
 from __future__ import annotations
@@ -112,18 +107,14 @@ class LookaheadBatching:
     """
     The lookahead part of a continuous-batching engine: one per manager, holding every decoding request's lookahead.
 
-    Each step: `plan` gives every decoding request its block (before Transformers' scheduler runs, which then budgets
-    and pages the block like any query tokens), `lay_out` writes the blocks' positions and masks over what
-    Transformers prepared and says which rows need logits, `settle` verifies each request and appends what it
-    accepted, and `commit` moves the accepted KV entries into place and gives back the pages past them.
+    Each step: `plan` gives every decoding request its block (before the scheduler budgets and pages it like any
+    query tokens), `lay_out` writes the blocks' positions and masks over the batch Transformers prepared, `settle`
+    verifies each request and appends what it accepted, and `commit` moves the accepted KV entries into place.
 
-    With `lookahead_window="auto"` a step is priced as one step of the whole batch: the step settles on one length
-    per request (`batch_step_length`) over the cost of `decoding requests x length` tokens, so a lightly loaded
-    engine verifies many tokens per request and a full one takes one-token steps, which is plain continuous batching.
-    That cost comes from the engine's own steps once it has run a few (`EngineStepCost`: the forward pass and the
-    host's verification and cache moves, which grow with the requests a step verifies), before that from the steps
-    the model's previous engine timed (kept in the `LookaheadState`), and from the model's cost table in its first
-    engine.
+    With `lookahead_window="auto"` the step settles on one length per request (`batch_step_length`) priced as
+    `decoding requests x length` tokens, so a lightly loaded engine verifies many tokens per request and a full one
+    takes one-token steps. The price comes from the engine's own timed steps (`EngineStepCost`), before that from
+    the model's previous engine's (kept in the `LookaheadState`), and in its first engine from the cost table.
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -202,12 +193,8 @@ class LookaheadBatching:
 
     def plan(self, active: dict[str, RequestState], requests_wait: bool) -> None:
         """
-        Gives every decoding request its block for the next step (its `tokens_to_process`), within the token budget.
-
-        Args:
-            active (`dict[str, RequestState]`): the scheduler's active requests.
-            requests_wait (`bool`): whether requests wait for their prefill (then blocks take at most
-                `SHARE_WHILE_REQUESTS_WAIT` of the budget).
+        Gives every decoding request of `active` (the scheduler's) its block for the next step (its
+        `tokens_to_process`) within the token budget, or `SHARE_WHILE_REQUESTS_WAIT` of it where `requests_wait`.
         """
         self.steps = {}
         for request_id in [request_id for request_id in self.requests if request_id not in active]:
@@ -315,15 +302,9 @@ class LookaheadBatching:
 
     def settle(self, state: RequestState, return_logprobs: bool) -> tuple[SequenceLookahead, RequestStep | None, bool]:
         """
-        Verifies one request's part of the step and appends what it accepted. The moves of its accepted entries into
-        place are collected for `commit`.
-
-        Args:
-            state (`RequestState`): the request, its next token due this step.
-            return_logprobs (`bool`): whether to record the log-probability of each token.
-
-        Returns:
-            `tuple`: the request's lookahead, its step (`None` right after its prefill), and whether it finished.
+        Verifies one request's part of the step (`state`, its next token due) and appends what it accepted, with
+        log-probabilities where `return_logprobs`; its entries' moves wait for `commit`. Returns the request's
+        lookahead, its step (`None` right after its prefill), and whether it finished.
         """
         request_id = state.request_id
         lookahead = self.requests.get(request_id)
@@ -536,8 +517,8 @@ def init_continuous_batching_with_lookahead(
     cb_config = _lookahead_cb_config(model, generation, continuous_batching_config)
     state = getattr(model, "lookahead_state", None) or LookaheadState()
     # Measured while the model still runs its own attention backend (the engine switches `eager` to paged eager), and
-    # in a thread that ends: on a CPU, torch's OpenMP workers stay with the thread that ran the passes, and a live
-    # second set of them slowed the engine's own thread by 44% (SmolLM2 bf16, one request, 2 cores).
+    # in a thread that ends: on a CPU, torch's OpenMP workers stay with the thread that ran the passes and would
+    # compete with the engine's own.
     cost = None
     if config.adaptive:
         with ThreadPoolExecutor(max_workers=1) as measuring:
@@ -553,10 +534,7 @@ def init_continuous_batching_with_lookahead(
 
 
 def _class_init_continuous_batching(model: PreTrainedModel) -> Any:
-    """
-    The `init_continuous_batching` of the model's class (Transformers' own), bound to it: the first one along the
-    class's method resolution order that this package did not define (`LookaheadGenerationMixin`'s calls here).
-    """
+    """The `init_continuous_batching` of the model's class that this package did not define, bound to the model."""
     for klass in type(model).__mro__:
         method = vars(klass).get("init_continuous_batching")
         if method is not None and not method.__module__.startswith(f"{__package__}."):

@@ -57,15 +57,9 @@ def load_or_measure(
 ) -> StepCostModel:
     """
     The cost table of `model` on its device, dtype and thread count: read from `cost_dir`, or measured (a few
-    dozen forward passes) and written there. An unreadable, corrupt or foreign file is measured again; a
-    directory that cannot be written only means the next process measures again (a warning says so).
-
-    Args:
-        model (`PreTrainedModel`): the model.
-        cost_dir (`str` or `os.PathLike`, *optional*): where tables are kept; `None` measures without reading or
-            writing any file.
-        encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input
-            (batch size 1) for the decoder to attend to while it is timed.
+    dozen forward passes) and written there (`None`: no file). An unreadable, corrupt or foreign file is measured
+    again; a directory that cannot be written only means the next process measures again (a warning says so).
+    Encoder-decoder models' decoders attend to `encoder_outputs`, of one input, while timed.
     """
     path = None if cost_dir is None else Path(cost_dir) / f"step-cost-{model_key(model)}.json"
     if path is not None:
@@ -119,12 +113,8 @@ def measure_step_costs(
     """
     Times forward passes of every step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
     logits (as a lookahead step has), in `_ROUNDS` rounds of one pass per length; returns, per length, the median
-    over rounds of its time over the one-token time of the same round, made non-decreasing in the length.
-
-    Args:
-        model (`PreTrainedModel`): the model.
-        grid (`tuple[int]`): the step lengths to measure, 1 first.
-        encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, what the decoder attends to.
+    over rounds of its time over the one-token time of the same round, made non-decreasing in the length. `grid`
+    starts at 1; `encoder_outputs` as for `load_or_measure`.
     """
     device = model.device
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -177,13 +167,10 @@ def _non_decreasing(values: list[float]) -> list[float]:
     The closest non-decreasing sequence (least squares, pool-adjacent-violators): a longer step never costs less, and
     a dip in a measured curve is noise that would make `"auto"` prefer one length over its neighbours.
     """
-    blocks: list[list[float]] = []  # [mean, count]
+    blocks: list[tuple[float, int]] = []  # (mean, count)
     for value in values:
-        blocks.append([value, 1])
+        blocks.append((value, 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            blocks[-1] = [
-                (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
-                blocks[-1][1] + count,
-            ]
+            (mean, count), (last_mean, last_count) = blocks.pop(), blocks.pop()
+            blocks.append(((last_mean * last_count + mean * count) / (last_count + count), last_count + count))
     return [mean for mean, count in blocks for _ in range(count)]

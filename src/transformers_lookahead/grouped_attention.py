@@ -1,16 +1,11 @@
 """
 The masked attention of a lookahead pass without copies of the key/value heads.
 
-Transformers' sdpa integration repeats grouped key/value heads (`repeat_kv`) whenever an attention mask is passed,
-because CUDA's fused kernels take no mask with grouped heads. A lookahead pass always has a mask (its window and tree
-are not causal), so on models with grouped key/value heads every layer copied its whole cache twice per pass, a cost
-that grows with the context while a plain one-token pass, which takes no mask, pays none of it. PyTorch's CPU sdpa
-takes `enable_gqa=True` together with a mask and computes bit-identical outputs (`tests/test_grouped_attention.py`).
-
-The function is registered through Transformers' public `AttentionInterface` under `"sdpa"`, wrapping the function
-registered there before. It changes only the passes the lookahead step marks (`GROUPED_KV_FLAG` among the model's
-keyword arguments, which Transformers hands to every attention call), and only on devices in `GROUPED_KV_DEVICES`;
-every other pass, of any model in the process, runs the wrapped function as it was.
+Transformers' sdpa integration repeats grouped key/value heads whenever a mask is passed, and a lookahead pass always
+has one, so every layer copied its whole cache twice per pass. PyTorch's CPU sdpa takes `enable_gqa=True` with a mask
+and computes bit-identical outputs. Registered through Transformers' public `AttentionInterface` under `"sdpa"`, in
+front of the function registered there before, it changes only passes marked with `GROUPED_KV_FLAG` on devices in
+`GROUPED_KV_DEVICES`; every other pass, of any model in the process, runs the wrapped function as it was.
 """
 
 from __future__ import annotations
@@ -38,10 +33,7 @@ _WRAPPED = "_lookahead_wrapped"
 def grouped_sdpa(wrapped: Callable[..., Any]) -> Callable[..., Any]:
     """
     An sdpa attention function that runs a marked, masked pass over grouped key/value heads with `enable_gqa=True`,
-    and every other call through `wrapped`.
-
-    Args:
-        wrapped (`Callable`): the attention function it stands in front of (Transformers' `sdpa_attention_forward`).
+    and every other call through `wrapped` (Transformers' `sdpa_attention_forward`).
     """
 
     def attention(
@@ -69,16 +61,8 @@ def grouped_sdpa(wrapped: Callable[..., Any]) -> Callable[..., Any]:
             and kwargs.get("softcap") is None
         ):
             return wrapped(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=False,
-            enable_gqa=True,
-        )
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        output = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return output.transpose(1, 2).contiguous(), None
 
     setattr(attention, _WRAPPED, wrapped)

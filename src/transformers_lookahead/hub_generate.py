@@ -1,10 +1,7 @@
 """
-The Hub entry point: written as `custom_generate/generate.py` of the strategy repository and of every model folder
-`save_lookahead_model` writes, with the modules it imports beside it (see `write_custom_generate`).
-
-Stock Transformers runs it in three ways: `model.generate(..., custom_generate=<repo or folder>,
-trust_remote_code=True)`, the `generate` of a model loaded with `from_pretrained(folder, trust_remote_code=True)`,
-and `transformers serve folder --trust-remote-code`, which does the latter.
+The Hub entry point, written as `custom_generate/generate.py` of the strategy repository and of every model folder
+`save_lookahead_model` writes: stock Transformers runs it through `model.generate(..., custom_generate=<repo or
+folder>, trust_remote_code=True)` and as the `generate` of a model loaded with `trust_remote_code=True` (servers too).
 """
 
 from __future__ import annotations

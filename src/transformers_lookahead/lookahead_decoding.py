@@ -185,13 +185,10 @@ def generate(
 
 class SequenceText:
     """
-    One sequence's text, as gpt-fast keeps it: a buffer preallocated for the longest text the call allows and the
-    length in use, so that appending a token writes one entry instead of copying the sequence.
-
-    The buffer, on the model's device and with the row's left padding, is what logits processors, stopping criteria
-    and the output read (`input_ids`, a view). `tokens` mirrors the text past the padding as host integers, for what
-    runs on the host (the pool, the window, the step's pending ids, the context index, the suffix memory); `append` and
-    `truncate` change both, so they never disagree.
+    One sequence's text, as gpt-fast keeps it: a buffer on the model's device, preallocated for the longest text
+    and holding the row's left padding, and the length in use (`input_ids`, a view, is what processors, stopping
+    criteria and the output read). `tokens` mirrors the text past the padding as host integers, for the host-side
+    parts; `append` and `truncate` change both.
 
     Args:
         row (`torch.LongTensor` of shape `(1, length)`): the sequence as plain `generate` holds it (padding included).
@@ -268,9 +265,8 @@ class StepPlan:
 class TokenStoppingCriteria:
     """
     `generate`'s default stopping criteria (`MaxLengthCriteria`, `EosTokenCriteria`), decided on the host from a
-    sequence's length and its last token. Lookahead checks the criteria after every accepted token; calling the
-    criteria list builds tensors each time (about 70 us per token here, against about 3 us for these comparisons,
-    SmolLM2 bf16, measured), which a step accepting many tokens pays many times.
+    sequence's length and its last token: lookahead checks them after every accepted token, and the criteria list
+    builds tensors at every call.
 
     Args:
         max_length (`int` or `None`): `MaxLengthCriteria.max_length`.
@@ -394,10 +390,7 @@ class LookaheadDecoder:
 
     @property
     def follows_durations(self) -> bool:
-        """
-        Whether the adaptive policy also learns from measured step durations (and times a one-token step for that).
-        Not on tensor-parallel ranks: their step times differ, and they must plan alike; nor where the state says so.
-        """
+        """Whether `"auto"` learns from step durations: not where the state says so, nor on tensor-parallel ranks."""
         return self.sync is None and self.state.follow_durations
 
     def run(
@@ -406,10 +399,7 @@ class LookaheadDecoder:
         model_kwargs: dict[str, Any],
         streamer: BaseStreamer | None,
     ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
-        """
-        Prefills the prompts, then runs steps until every sequence has stopped: plan, lay out, forward, verify and
-        accept, commit to the cache, update the windows, pools and policies.
-        """
+        """Prefills the prompts, then runs steps until every sequence has stopped."""
         if streamer is not None:
             streamer.put(input_ids.cpu())
         sequences, slot_valid = self._prefill(input_ids, model_kwargs, streamer)
@@ -569,12 +559,8 @@ class LookaheadDecoder:
         self, plan: StepPlan, logits: torch.Tensor, choices: list[int], streamer: BaseStreamer | None
     ) -> tuple[Verdict, int]:
         """
-        Verifies one sequence's part of the step (its logits, and the model's choices read from them) and appends
-        what it accepted.
-
-        Returns:
-            `tuple[Verdict, int]`: the verdict, and how many of its tokens the sequence kept (fewer where a stopping
-            criterion or the length limit fired inside the accepted chunk).
+        Verifies one sequence's part of the step and appends what it accepted; returns the verdict and how many of
+        its tokens were kept (fewer where a stopping criterion or the length limit fired inside the chunk).
         """
         sequence = plan.sequence
         verdict = sequence.verifier.verify(
@@ -616,10 +602,7 @@ class LookaheadDecoder:
     def _initial_slots(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
     ) -> torch.BoolTensor | None:
-        """
-        Which cache slots hold a token of each row after the prefill, or `None` for one unpadded row, whose slots are
-        all its own and need no tracking.
-        """
+        """Which cache slots hold a token of each row after the prefill; `None` for one unpadded row."""
         if input_ids.shape[0] == 1 and attention_mask is None:
             return None
         if self.committer.is_static and input_ids.shape[0] > 1:
@@ -677,10 +660,7 @@ class LookaheadDecoder:
         return kept
 
     def _record(self, sequence: SequenceState, raw: torch.Tensor, processed: torch.Tensor) -> bool:
-        """
-        Keeps the logits and scores of the token just appended and checks the stopping criteria on the sequence up
-        to it; returns whether the sequence ends there.
-        """
+        """Keeps the appended token's logits and scores and checks the stopping criteria; whether the sequence ends."""
         if self.keep_scores:
             sequence.scores.append(processed)
         if self.keep_logits:

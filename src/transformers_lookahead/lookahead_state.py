@@ -131,13 +131,9 @@ class LookaheadState:
         max_tokens: int = DEFAULT_MEMORY_SIZE,
     ) -> SuffixMemory:
         """
-        The suffix memory of `namespace`, holding at most `max_tokens` tokens from now on: created empty (or read from
-        `memory_dir`) on first use.
-
-        Args:
-            model (`PreTrainedModel`): the model this state belongs to (its vocabulary names the memory's file).
-            namespace (`str`): which memory (see `lookahead_memory_namespace`).
-            max_tokens (`int`): the memory's bound (see `lookahead_memory_size`).
+        The suffix memory of `namespace` (`lookahead_memory_namespace`), holding at most `max_tokens` tokens
+        (`lookahead_memory_size`) from now on: created empty, or read from `memory_dir` (named by `model`'s
+        vocabulary), on first use.
 
         Raises:
             `ValueError` if the memory's file in `memory_dir` is not a memory of this vocabulary; the file is left as
@@ -190,13 +186,8 @@ class LookaheadState:
         max_tokens: int = DEFAULT_MEMORY_SIZE,
     ) -> SuffixMemory:
         """
-        Replaces the memory of `namespace` with a file written by `save_memory` (or found in a `memory_dir`).
-
-        Args:
-            model (`PreTrainedModel`): the model this state belongs to; the file must be of its vocabulary.
-            path (`str` or `os.PathLike`): the file.
-            namespace (`str`): the memory to replace.
-            max_tokens (`int`): the memory's bound (the newest documents of the file are kept).
+        Replaces the memory of `namespace` with the file at `path`, written by `save_memory` (or found in a
+        `memory_dir`) for `model`'s vocabulary, keeping its newest `max_tokens` tokens.
 
         Raises:
             `ValueError` naming the file and what is wrong with it; the memory stays as it was.

@@ -11,18 +11,11 @@ WINDOW_SEED = 0
 
 class LookaheadWindow:
     """
-    The lookahead branch of a step.
-
-    Level `l` column `i` holds a guess for the token at position `p + 1 + l + i`, where `p` is the position of the
-    last accepted token. Each step feeds every level to the model; the outputs of the top level become the new top
-    level and the older levels shift down by one, so every column keeps a history of N - 1 successive guesses (one
-    Jacobi iteration per step). Each column then yields the n-gram `(level 0, ..., level N-2, new top)`.
-
-    The levels start as tokens drawn from the prompt: random vocabulary ids almost never reappear in text, while
-    prompt tokens are in-distribution and converge to useful n-grams sooner.
-
-    The window lives on the host: the step reads its top level's new guesses there with the verified tokens (one
-    transfer per step) and feeds the window back with the step's other host-built ids.
+    The lookahead branch of a step, on the host. Level `l` column `i` guesses the token at position `p + 1 + l + i`
+    (`p`: the last accepted token's). Each step feeds every level; the top level's outputs become the new top level
+    and the older levels shift down, so each column keeps N - 1 successive guesses (one Jacobi iteration per step)
+    and yields the n-gram `(level 0, ..., level N-2, new top)`. The levels start as tokens drawn from the prompt,
+    which converge to useful n-grams sooner than random ids.
 
     Args:
         window (`int`): W, the number of columns.
@@ -49,14 +42,8 @@ class LookaheadWindow:
 
     def update(self, top: list[int]) -> list[list[int]]:
         """
-        Applies one Jacobi iteration.
-
-        Args:
-            top (`list[int]`): the argmax of the model at the top level's positions, one per column.
-
-        Returns:
-            `list[list[int]]`: the n-grams the columns completed (one per column, N tokens each), or an empty list
-            while the window still holds initial guesses.
+        Applies one Jacobi iteration with `top`, the model's choices at the top level, one per column; returns the
+        n-grams the columns completed (N tokens each), none while the window still holds initial guesses.
         """
         ngrams = []
         if self._updates_until_ngrams > 0:

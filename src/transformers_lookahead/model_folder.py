@@ -49,13 +49,8 @@ def write_custom_generate(directory: str | os.PathLike) -> Path:
     Writes the self-contained `custom_generate/` folder (see `custom_generate_files`) into `directory`, replacing
     one that is there: `model.generate(..., custom_generate=directory, trust_remote_code=True)` then decodes with
     lookahead where only torch and Transformers are installed, and so does a model folder holding it once loaded with
-    `from_pretrained(directory, trust_remote_code=True)`.
-
-    Args:
-        directory (`str` or `os.PathLike`): a model folder or a strategy repository (created if missing).
-
-    Returns:
-        `Path`: the `custom_generate/` folder written.
+    `from_pretrained(directory, trust_remote_code=True)`. `directory` (a model folder or a strategy repository) is
+    created if missing; returns the `custom_generate/` folder.
     """
     folder = Path(directory) / "custom_generate"
     staging = folder.with_name("custom_generate.part")
@@ -91,9 +86,6 @@ def save_lookahead_model(
         tokenizer (`PreTrainedTokenizerBase`, *optional*): saved beside the model, as servers load it from there.
         lookahead_settings: `lookahead_*` fields to save (e.g. `lookahead_window=7`); fields not given keep the
             model's generation config values, and `lookahead_window` defaults to `"auto"` if neither sets it.
-
-    Returns:
-        `Path`: the folder.
     """
     unknown = sorted(set(lookahead_settings) - set(LOOKAHEAD_FIELDS))
     if unknown:

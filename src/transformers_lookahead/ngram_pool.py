@@ -38,12 +38,8 @@ class NGramPool:
 
     def add(self, key: int, continuation: Sequence[int], from_window: bool = False) -> None:
         """
-        Records that `continuation` followed `key`, as the most recent entry of that key.
-
-        Args:
-            key (`int`): the first token of the n-gram.
-            continuation (`Sequence[int]`): the `continuation_length` tokens that followed it.
-            from_window (`bool`): whether the n-gram was guessed by the lookahead window rather than read in text.
+        Records that `continuation` (`continuation_length` tokens) followed `key`, as that key's most recent entry;
+        `from_window` where the lookahead window guessed the n-gram rather than text holding it.
         """
         if self.max_per_key == 0:
             return
@@ -63,13 +59,7 @@ class NGramPool:
             _trie_remove(trie, evicted)
 
     def add_sequence(self, tokens: Sequence[int], first_key: int = 0) -> None:
-        """
-        Records every complete n-gram of `tokens` whose key is at index `first_key` or later.
-
-        Args:
-            tokens (`Sequence[int]`): a token sequence (the prompt, or the text generated so far).
-            first_key (`int`): the index of the first key to record; earlier n-grams were recorded before.
-        """
+        """Records every complete n-gram of `tokens` whose key is at index `first_key` or later."""
         length = self.continuation_length
         for start in range(max(first_key, 0), len(tokens) - length):
             self.add(tokens[start], tokens[start + 1 : start + 1 + length])
@@ -92,15 +82,8 @@ class NGramPool:
 
     def tree(self, key: int, max_depth: int, tree: TokenTree | None = None) -> TokenTree:
         """
-        The continuations of `key` as a token tree, cut at `max_depth` tokens.
-
-        Args:
-            key (`int`): the token the continuations follow (the last accepted token).
-            max_depth (`int`): the deepest level to include; 0 gives an empty tree.
-            tree (`TokenTree`, *optional*): the tree to merge them into (a new one if not given).
-
-        Returns:
-            `TokenTree` listing parents before children (breadth first).
+        The continuations of `key` as a token tree cut at `max_depth` tokens (breadth first), merged into `tree`
+        where given.
         """
         tree = TokenTree() if tree is None else tree
         trie = self._tries.get(key)

@@ -17,18 +17,12 @@ _MASK_63 = (1 << 63) - 1
 
 class RankSync:
     """
-    Under tensor parallelism every rank runs the same `generate` call, and every forward pass runs collectives (the
-    all-reduces of the row-parallel layers) that all ranks must enter with tensors of the same shape. Lookahead
-    decoding chooses each step's shape, so every rank must choose the same step:
-
-    - what is measured per process is agreed once per call: rank 0's step-cost table and its carried acceptance
-      estimates are broadcast (`agree`), and step times do not steer the plan (they differ between processes);
-    - everything else follows from the tokens, which are the same on every rank (the logits are gathered);
-    - before every step, and once after the last, one all-reduce of a fingerprint of the step (`check`) confirms it:
-      a rank that planned otherwise (a time-based stopping criterion that fired on one rank only, different inputs or
-      seeds) makes every rank raise the same error at the same point, instead of hanging in a collective.
-
-    Cost: two broadcasts per call, one all-reduce of two integers per step.
+    Under tensor parallelism every forward pass runs collectives that all ranks must enter with tensors of one shape,
+    and lookahead chooses each step's shape, so every rank must choose the same step. What is measured per process
+    is agreed once per call (rank 0's cost table and carried estimates, `agree`; step times do not steer the plan);
+    the rest follows from the tokens, which are the same on every rank. Before every step and after the last, one
+    all-reduce of the step's fingerprint (`check`) makes every rank raise the same error where one planned otherwise,
+    instead of hanging in a collective.
 
     Args:
         group (`torch.distributed.ProcessGroup`): the tensor-parallel group.
@@ -56,14 +50,8 @@ class RankSync:
 
     def check(self, step: int, fingerprint: int) -> None:
         """
-        Confirms that every rank is about to take the same step.
-
-        Args:
-            step (`int`): the number of forward passes so far.
-            fingerprint (`int`): a digest of the step every rank computed (0 for "no step: generation is over").
-
-        Raises:
-            `RuntimeError` on every rank, if any rank's fingerprint differs.
+        Confirms that every rank is about to take the same step (`fingerprint`, 0 for none: generation is over) after
+        `step` forward passes; raises `RuntimeError` on every rank if any rank's differs.
         """
         value = fingerprint & _MASK_63
         extremes = torch.tensor([value, -value], dtype=torch.long, device=self.device)

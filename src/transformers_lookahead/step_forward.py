@@ -104,13 +104,7 @@ class StepForward:
 
 
 def select_rows(encoder_outputs: Any, indices: torch.Tensor) -> Any:
-    """
-    The given batch rows of encoder outputs (a `ModelOutput` or a tuple of tensors).
-
-    Args:
-        encoder_outputs (`ModelOutput` or `tuple`): what the encoder returned.
-        indices (`torch.Tensor`): the rows to keep, in that order.
-    """
+    """The batch rows `indices`, in that order, of encoder outputs (a `ModelOutput` or a tuple of tensors)."""
 
     def select(value: Any) -> Any:
         return value[indices] if isinstance(value, torch.Tensor) else value

@@ -105,21 +105,12 @@ class StepInputs:
         return self.input_ids.shape[1]
 
     def logits_of(self, row: int, logits: torch.Tensor) -> torch.Tensor:
-        """
-        One sequence's logits, in the order of its `RowStep.logits_rows`.
-
-        Args:
-            row (`int`): the sequence's row in the batch.
-            logits (`torch.Tensor` of shape `(batch, len(logits_rows), vocab)`): what the forward pass returned.
-        """
+        """The logits (what the forward pass returned) of the sequence at `row`, in its `RowStep.logits_rows` order."""
         rows = self.row_logits[row]
         return logits[row] if rows is None else logits[row, rows]
 
     def choices_of(self, row: int, choices: list[list[int]]) -> list[int]:
-        """
-        One sequence's choices in the order of its `RowStep.logits_rows`, from `choices` (`read_choices` of the
-        step's logits).
-        """
+        """The `choices` (`read_choices` of the step's logits) of the sequence at `row`, as `logits_of` orders them."""
         rows = self.row_logits[row]
         return choices[row] if rows is None else [choices[row][index] for index in rows]
 
@@ -225,13 +216,8 @@ class StepLayout:
     @classmethod
     def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
         """
-        The layout for `model`'s attention layers: one mask per layer type in the format its backend reads.
-
-        Args:
-            model (`PreTrainedModel`): the model, its attention backend among `MASK_FORMATS`.
-            cache (`Cache`): the decoder's self-attention cache, its layers already created.
-            window (`int`): W, columns of the lookahead window.
-            levels (`int`): N - 1, levels of the window.
+        The layout of W = `window` columns and N - 1 = `levels` for `model`'s attention layers (its backend among
+        `MASK_FORMATS`): one mask per layer type of `cache` (created), in the format the backend reads.
         """
         groups = attention_groups(cache, layer_types(model))
         mask_format = MASK_FORMATS[attention_implementation(model)]
@@ -245,15 +231,8 @@ class StepLayout:
         tree: TokenTree,
     ) -> RowStep:
         """
-        Args:
-            pending (`list[int]`): accepted tokens that are not in the cache yet, k >= 1 of them.
-            position (`int`): the position of the last pending token.
-            window_tokens (`list[int]` of length `levels * window`, or `None`): the window's guesses level by
-                level, or `None` to leave the window out of this step.
-            tree (`TokenTree`): the candidates to verify (may be empty).
-
-        Returns:
-            `RowStep`.
+        One sequence's part of a step: its `pending` tokens (accepted, not yet cached, k >= 1), the last at
+        `position`, the window's guesses level by level (`None`: no window this step), and the `tree` to verify.
         """
         device = self.device
         k = len(pending)

@@ -182,11 +182,14 @@ class StepPolicy(Protocol):
     # Whether the policy prices steps from measured costs (it then needs a cost table and learns across calls).
     adapts: bool
 
-    def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer: ...
+    def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer:
+        """The steps `tree` (every candidate offered) allows, with `pending` tokens fed anyway, priced."""
 
-    def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice: ...
+    def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice:
+        """The step to take of `offer`, within `budget` tokens (the length a batch settled on) when given."""
 
-    def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None: ...
+    def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
+        """Learns from a step: `choice` as planned, its `verdict`, the `pool` and `key` its candidates came from."""
 
 
 class StaticStepPolicy:
@@ -198,12 +201,6 @@ class StaticStepPolicy:
         self.window_length = window_length
 
     def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer:
-        """
-        Args:
-            tree (`TokenTree`): every candidate offered for the last accepted token.
-            window_allowed (`bool`): whether the window fits in the model's positions.
-            pending (`int`): tokens the step must feed anyway.
-        """
         length = pending + (self.window_length if window_allowed else 0) + len(tree)
         option = StepOption(length, 1.0, window_allowed, len(tree))
         return StepOffer(tree, window_allowed, pending, (option,), tuple(range(len(tree))), (0.0,) * len(tree))
@@ -213,49 +210,27 @@ class StaticStepPolicy:
         return StepChoice(offer, offer.window_allowed, offer.tree)
 
     def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
-        """
-        Learns from a finished step (nothing to learn for a fixed shape).
-
-        Args:
-            choice (`StepChoice`): the step, as `plan` chose it.
-            verdict (`Verdict`): what it accepted.
-            pool (`NGramPool`): the pool its candidates came from.
-            key (`int`): the token its candidates followed.
-        """
+        """Nothing to learn for a fixed shape (see `StepPolicy.observe`)."""
 
 
 class AdaptiveStepPolicy:
     """
-    Picks each step's content to maximise expected accepted tokens per unit of forward-pass time.
+    Picks each step's content to maximise expected accepted tokens per unit of forward-pass time (the guide's
+    "`lookahead_window="auto"`" section derives it).
 
-    - Expected tokens: the step always yields 1 token, plus, for each verified node, the probability that the node
-      lies on the accepted path. That probability is the product, down the node's path, of `q[d]` (how often some
-      candidate at depth d matched once its parent was accepted, a running estimate) times the node's share of the
-      pooled continuations among its siblings. `q` is learnt from every step's *whole* candidate tree, checked
-      against the tokens the step accepted, so candidates the policy left out still teach it (every step reveals
-      at least depth 1): a run of misses cannot shut verification off for good.
-    - The continuation copied from the context (`ContextIndex`), if any, has its own running estimate per depth,
-      `context_rate[d]`, of matching once its parent matched; a node on it takes the larger of both estimates.
-    - Continuations from the suffix memory (`SuffixMemory`) have a running estimate per match length k and depth,
-      `memory_rate[k][d]`, of some remembered child matching once its parent matched, shared among the children by
-      how many remembered continuations pass through each (as the pool's counts are). A long match earns deep
-      candidates, a one-token match rarely any: the depth follows the match length through what was learnt.
-    - Calibration: the per-node estimates are learnt one depth and one source at a time, and a step verifies the
-      nodes that look best, so the nodes it verifies match less often than their estimates say (and sometimes more,
-      for copies of long repeated text). Every node's probability is therefore scaled by `calibration`, the ratio of
-      the nodes steps accepted to the probability they were predicted with (decayed sums, with `calibration_prior`
-      tokens of each to start from 1). Both sums decay at every step, so a policy that stopped verifying drifts back
-      to its uncalibrated estimates and tries again.
-    - Window: adds `window_gain`, the tokens accepted per window step from n-grams only the window had found
-      (a running estimate with an optimistic start). After `probe_every` steps without the window, one step runs it
-      anyway; each such probe that does not make the window worth choosing doubles the wait (up to
-      `max_probe_every`), since on a device where the window costs much a probe every few dozen steps costs a few
-      percent of the time. Choosing the window resets the wait.
-    - Cost: what `StepPricing` says a step of that length costs. Where durations are reported, a timed one-token
-      step is what they are judged against: the call's second step is one if none was timed by then.
+    - Expected tokens: 1, plus each verified node's probability of lying on the accepted path: down its path, the
+      running rate at which a candidate matched once its parent had (per depth and source: pooled `match_rate`,
+      copied `context_rate`, remembered `memory_rate[match length]`) times the node's share of its siblings'
+      continuations. Rates learn from every step's whole offered tree, so left-out candidates still teach them.
+    - Calibration: verified nodes are the ones that look best, so they match less often than their estimates say;
+      every probability is scaled by accepted over predicted nodes (decayed sums from `calibration_prior`).
+    - Window: adds `window_gain`, the tokens per window step only the window's n-grams found. After `probe_every`
+      steps without it one step runs it anyway; a probe that does not win doubles the wait, up to `max_probe_every`.
+    - Cost: what `StepPricing` says the step's length costs; where durations are reported, the call's second step
+      is a timed one-token step they are judged against.
 
-    With the nodes sorted by probability, every prefix is a valid subtree (a child is never likelier than its
-    parent), so one pass over the prefixes, with and without the window, finds the best step.
+    Nodes sorted by probability make every prefix a subtree (a child is never likelier than its parent), so one
+    pass over the prefixes, with and without the window, finds the best step.
 
     Args:
         pricing (`StepPricing`): what a step of T tokens (per row) costs, shared by the rows of a batch.
@@ -302,7 +277,6 @@ class AdaptiveStepPolicy:
         self.calibration_prior = calibration_prior
         self._predicted, self._realized = 0.0, 0.0
         self._steps_without_window = 0
-        self._levels = levels
         self._steps_planned = 0
 
     adapts = True
@@ -340,27 +314,14 @@ class AdaptiveStepPolicy:
         """Accepted over predicted nodes of the verified steps: the factor applied to every node's probability."""
         return (self._realized + self.calibration_prior) / (self._predicted + self.calibration_prior)
 
-    def _learn_matches(self, tree: TokenTree, continuation: list[int]) -> None:
+    def _learn_rates(self, rates: list[float], tree: TokenTree, counts: list[int], accepted: list[int]) -> None:
+        """Scores the nodes of one source (those with `counts`) down the accepted path, one rate per depth."""
         node = -1
-        for depth, token in enumerate(continuation[: self._levels], start=1):
-            # Only pooled nodes: the copied continuation is scored on its own.
-            children = {t: c for t, c in tree.children[node + 1].items() if tree.counts[c]}
+        for depth, token in enumerate(accepted[: len(rates) - 1], start=1):
+            children = {t: c for t, c in tree.children[node + 1].items() if counts[c]}
             if not children:
                 return
             child = children.get(token)
-            self.match_rate[depth] += (1 - self.decay) * (float(child is not None) - self.match_rate[depth])
-            if child is None:
-                return
-            node = child
-
-    def _learn_memory(self, tree: TokenTree, accepted: list[int]) -> None:
-        rates = self.memory_rate[tree.memory_match]
-        node = -1
-        for depth, token in enumerate(accepted[: len(rates) - 1], start=1):
-            remembered = {t: c for t, c in tree.children[node + 1].items() if tree.memory_counts[c]}
-            if not remembered:
-                return
-            child = remembered.get(token)
             rates[depth] += (1 - self.decay) * (float(child is not None) - rates[depth])
             if child is None:
                 return
@@ -373,7 +334,7 @@ class AdaptiveStepPolicy:
     def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer:
         """
         Prices every step this policy could take with `tree`: with or without the window, verifying the `count`
-        likeliest nodes for every count. Arguments as for `StaticStepPolicy.offer`.
+        likeliest nodes for every count.
         """
         raw = self._raw_probabilities(tree)
         order = sorted(range(len(tree)), key=lambda node: -raw[node])
@@ -457,10 +418,11 @@ class AdaptiveStepPolicy:
         return probability
 
     def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
-        """Learns from the step `choice` planned and its `verdict` (see `StaticStepPolicy.observe`)."""
+        """Learns from the step `choice` planned and its `verdict` (see `StepPolicy.observe`)."""
         offered, window_used = choice.offer.tree, choice.use_window
-        # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens.
-        self._learn_matches(offered, verdict.tokens)
+        # The whole tree offered for this step, not only the verified part, is scored against the accepted tokens;
+        # the copied continuation is scored on its own.
+        self._learn_rates(self.match_rate, offered, offered.counts, verdict.tokens)
         for depth, node in enumerate(offered.context_path(), start=1):
             if depth > len(verdict.tokens):
                 break
@@ -469,7 +431,7 @@ class AdaptiveStepPolicy:
             if not hit:
                 break
         if offered.memory_total:
-            self._learn_memory(offered, verdict.tokens)
+            self._learn_rates(self.memory_rate[offered.memory_match], offered, offered.memory_counts, verdict.tokens)
         keep = self.calibration_decay
         self._predicted = keep * self._predicted + choice.predicted
         self._realized = keep * self._realized + (len(verdict.nodes) if choice.predicted else 0)

@@ -104,25 +104,14 @@ class SuffixMemory:
             self._evict()
 
     def add(self, documents: Sequence[Sequence[int]]) -> None:
-        """
-        Remembers token sequences (a prompt and what was generated after it, one per sequence of a call).
-
-        Args:
-            documents (`Sequence[Sequence[int]]`): the sequences; ones longer than `max_tokens` keep their end.
-        """
+        """Remembers token sequences (a prompt and its output, one per sequence); longer ones keep their last `max_tokens`."""
         with self._lock:
             for document in documents:
                 self._add(tuple(document[-self.max_tokens :]))
             self._evict()
 
     def match(self, tokens: Sequence[int], max_depth: int) -> MemoryMatch | None:
-        """
-        The continuations of the longest suffix of `tokens` (up to `max_match` tokens) seen before, or `None`.
-
-        Args:
-            tokens (`Sequence[int]`): the sequence so far.
-            max_depth (`int`): the most tokens per continuation.
-        """
+        """The continuations (at most `max_depth` tokens) of the longest suffix of `tokens` seen before, or `None`."""
         if max_depth < 1:
             return None
         with self._lock:
@@ -141,12 +130,7 @@ class SuffixMemory:
             return None
 
     def save(self, path: str | os.PathLike) -> None:
-        """
-        Writes the documents to a safetensors file (written whole or not at all). The index is rebuilt on loading.
-
-        Args:
-            path (`str` or `os.PathLike`): the file.
-        """
+        """Writes the documents to a safetensors file at `path`, whole or not at all (loading rebuilds the index)."""
         documents = self.documents()
         tokens = torch.tensor([token for document in documents for token in document], dtype=torch.int64, device="cpu")
         lengths = torch.tensor([len(document) for document in documents], dtype=torch.int64, device="cpu")
@@ -213,11 +197,7 @@ class SuffixMemory:
 
 def read_memory_file(path: str | os.PathLike, vocabulary: str) -> list[tuple[int, ...]]:
     """
-    The documents of a memory file written by `SuffixMemory.save`, checked.
-
-    Args:
-        path (`str` or `os.PathLike`): the file.
-        vocabulary (`str`): the vocabulary the documents must have been written in (see `vocabulary_key`).
+    The documents of a memory file written by `SuffixMemory.save`, checked to be of `vocabulary` (`vocabulary_key`).
 
     Raises:
         `ValueError` naming the file and what is wrong with it.

@@ -55,35 +55,17 @@ class TokenTree:
         return self.children[node + 1].get(token)
 
     def subtree(self, nodes: list[int]) -> TokenTree:
-        """
-        The tree restricted to `nodes`, which must include the parent of each of its nodes.
-
-        Args:
-            nodes (`list[int]`): the nodes to keep, in any order.
-        """
-        kept = sorted(nodes)
-        renumber = {old: new for new, old in enumerate(kept)}
+        """The tree restricted to `nodes` (in any order), which must include the parent of each of its nodes."""
         tree = TokenTree(memory_total=self.memory_total, memory_match=self.memory_match)
-        for old in kept:
-            parent = self.parents[old]
-            new_parent = renumber[parent] if parent >= 0 else -1
-            tree.tokens.append(self.tokens[old])
-            tree.parents.append(new_parent)
-            tree.depths.append(self.depths[old])
-            tree.counts.append(self.counts[old])
-            tree.in_context.append(self.in_context[old])
-            tree.memory_counts.append(self.memory_counts[old])
-            tree.children.append({})
-            tree.children[new_parent + 1][self.tokens[old]] = renumber[old]
+        renumber = {-1: -1}
+        for old in sorted(nodes):
+            new = renumber[old] = tree.ensure_child(renumber[self.parents[old]], self.tokens[old], self.depths[old])
+            tree.counts[new], tree.in_context[new] = self.counts[old], self.in_context[old]
+            tree.memory_counts[new] = self.memory_counts[old]
         return tree
 
     def add_path(self, tokens: Sequence[int]) -> None:
-        """
-        Merges `tokens`, a continuation of the key copied from the context, into the tree as one path.
-
-        Args:
-            tokens (`Sequence[int]`): the continuation; its nodes are flagged `in_context`.
-        """
+        """Merges `tokens`, a continuation copied from the context, into the tree as one path flagged `in_context`."""
         node = -1
         for depth, token in enumerate(tokens, start=1):
             node = self.ensure_child(node, token, depth)
@@ -91,12 +73,8 @@ class TokenTree:
 
     def add_memory(self, match: MemoryMatch, max_nodes: int) -> None:
         """
-        Merges the continuations the suffix memory proposed into the tree, counting how many pass through each node.
-        Continuations are taken most recent first while the tree gains at most `max_nodes` nodes.
-
-        Args:
-            match (`MemoryMatch`): what the memory proposed.
-            max_nodes (`int`): the most nodes added.
+        Merges the continuations the suffix memory proposed (`match`), most recent first, while the tree gains at most
+        `max_nodes` nodes, counting how many pass through each node.
         """
         added = 0
         self.memory_match = match.length

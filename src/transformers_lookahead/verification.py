@@ -17,11 +17,8 @@ _POSITIVE_INFINITY_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
     """
     The argmax of each row of `logits` (shape `(..., vocab)`), taken in float32 as plain greedy decoding takes it,
-    the first maximum winning a tie as with `torch.argmax` (a NaN counting as the maximum).
-
-    On the CPU it is taken by numpy: torch's CPU argmax over a 49k vocabulary took 0.65 ms for 30 rows in fp32 and
-    2.7 ms in bf16 here, numpy's 0.1 ms and 0.18 ms (the conversion included); a step's verification reads up to
-    dozens of rows. Half-precision rows skip the conversion where they can (`_half_precision_argmax`).
+    the first maximum winning a tie as with `torch.argmax` (a NaN counting as the maximum). On the CPU numpy takes
+    it, several times faster than torch's CPU argmax over a large vocabulary (see the changelog).
     """
     if logits.device.type != "cpu":
         return logits.detach().to(torch.float32).argmax(-1)
@@ -55,8 +52,7 @@ def _half_precision_argmax(logits: torch.Tensor) -> np.ndarray | None:
     Positive floats order as their bit patterns do, and every negative float reads as a negative integer, so a row
     whose maximum is a finite positive number has the same first maximum either way (equal values have equal bits
     once zero is not the maximum). The rest (a maximum of zero or below, an infinity or a NaN) returns `None` for
-    the float32 route. Reading the bits skips the conversion: 2x faster for 20-40 rows of a 49k vocabulary (bf16,
-    this CPU, measured).
+    the float32 route. Reading the bits skips the conversion.
     """
     infinity = _POSITIVE_INFINITY_BITS[logits.dtype]
     bits = logits.view(torch.int16).numpy()
@@ -90,14 +86,10 @@ class Verdict:
 
 class GreedyVerifier:
     """
-    Greedy verification of a token tree.
-
-    Starting from the last accepted token, the model's choice at each node is accepted; if a child of the node holds
-    that token, its logits (computed in the same forward pass) give the next choice, otherwise the walk ends. Every
-    accepted token is thus the token plain greedy decoding picks at that position, and logits processors see exactly
-    the inputs they see in plain decoding: they are called once per accepted token, on the sequence up to it.
-
-    Subclasses change how a node's token is chosen (`choose`); the walk stays the same.
+    Greedy verification of a token tree: from the last accepted token, the model's choice at each node is accepted,
+    and the walk goes on at the child holding that token, if any. Every accepted token is plain greedy's at that
+    position, and logits processors are called once per accepted token, on the sequence up to it, as in plain
+    decoding. Subclasses change how a node's token is chosen (`choose`), not the walk.
 
     Args:
         logits_processor (`LogitsProcessorList`): the processors `generate` built for the call.
@@ -165,12 +157,9 @@ class GreedyVerifier:
 
 class PositionNoise:
     """
-    Gumbel noise for every position of one sequence, drawn from the sequence's seed and the position alone.
-
-    Sampling a token as `argmax(scores + noise(position))` draws it from `softmax(scores)` (the Gumbel-max trick),
-    and since the noise of a position never depends on what else was computed, the sampled text is a function of
-    the seed and the model only: the same whatever candidates a step verified, whatever the suffix memory or the
-    carried estimates held.
+    Gumbel noise for every position of one sequence, drawn from the sequence's seed and the position alone:
+    `argmax(scores + noise(position))` samples `softmax(scores)` (the Gumbel-max trick), and the sampled text is the
+    same whatever candidates a step verified.
 
     Args:
         seed (`int`): the sequence's seed (drawn from torch's global generator, so `torch.manual_seed` fixes it).
@@ -208,12 +197,9 @@ def _mix(seed: int, position: int) -> int:
 
 class SamplingVerifier(GreedyVerifier):
     """
-    Verification of a token tree that keeps the output distribution of plain sampling.
-
-    The token at each position is `argmax(scores + noise)`, with the scores after the logits processors and warpers
-    (as plain sampling computes them) and the sequence's Gumbel noise of that position (`PositionNoise`): a sample of
-    `softmax(scores)`. A candidate is accepted when it is that token, so verification is the greedy walk on
-    perturbed scores, and the text depends on the seed and the model only, never on the candidates.
+    Verification that keeps plain sampling's distribution: each position's token is `argmax(scores + noise)`, the
+    processed and warped scores plus the position's Gumbel noise (`PositionNoise`), a sample of `softmax(scores)`.
+    It is the greedy walk on perturbed scores, so the text depends on the seed and the model, never the candidates.
 
     Args:
         logits_processor (`LogitsProcessorList`): the processors and warpers `generate` built for the call.
