@@ -21,7 +21,6 @@ from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.compatibility import set_attention_implementation_unchecked
 from transformers_lookahead.continuous_batching import (
-    LookaheadBatching,
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
     request_processors,
@@ -110,14 +109,15 @@ class ContinuousBatchingExactnessTest(unittest.TestCase):
         prompts = _prompts()
         config = _config(lookahead_window=4, lookahead_ngram=3)
         out = model.generate_batch(prompts, config, continuous_batching_config=ENGINE, progress_bar=False)
-        settle = LookaheadBatching.settle
 
-        def settle_float32(batching, *args):
-            batching.logits = batching.logits.float()
-            return settle(batching, *args)
+        def float32_copies(module, args, kwargs, output):
+            output.logits = output.logits.float()
+            return output
 
-        with mock.patch.object(LookaheadBatching, "settle", autospec=True, side_effect=settle_float32):
-            reference = model.generate_batch(prompts, config, continuous_batching_config=ENGINE, progress_bar=False)
+        # The same bf16 passes, their logits handed on as float32 copies: choices and verification read those.
+        handle = model.register_forward_hook(float32_copies, with_kwargs=True)
+        self.addCleanup(handle.remove)
+        reference = model.generate_batch(prompts, config, continuous_batching_config=ENGINE, progress_bar=False)
         self.assertEqual(list(reference), list(out))
         for request_id, result in reference.items():
             self.assertEqual(out[request_id].generated_tokens, result.generated_tokens, request_id)
@@ -224,21 +224,6 @@ class _SlowPasses:
         time.sleep(self.fixed + self.per_token * max(0, queries - self.free_tokens))
 
 
-class _SlowVerification:
-    """Makes the host's verification of each request whose block verified candidates take `seconds` more."""
-
-    def __init__(self, seconds: float):
-        settle = LookaheadBatching.settle
-
-        def slow_settle(batching, state, return_logprobs):
-            step = batching.steps.get(state.request_id)
-            if step is not None and step.row.length > 1:
-                time.sleep(seconds)
-            return settle(batching, state, return_logprobs)
-
-        self.patch = mock.patch.object(LookaheadBatching, "settle", slow_settle)
-
-
 class ContinuousBatchingLoadTest(unittest.TestCase):
     def test_a_full_batch_takes_one_token_steps(self):
         # The cost table and the engine's passes agree: past 8 query tokens, each token costs as much again.
@@ -276,15 +261,21 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
         ]
     )
     def test_the_engine_prices_steps_by_its_own_steps(self, _, slowness, verifies_several, verification=0.0):
-        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state(engine_fit=True))
+        def slow_verification(choice, row, verdict):
+            # Observed as each request's verification ends, inside the step the engine times.
+            if row.length > 1:
+                time.sleep(verification)
+
+        model = enable_lookahead(
+            tiny_model("llama", "sdpa"), flat_state(engine_fit=True, step_observer=slow_verification)
+        )
         prompt = random_prompt(8, seed=7)[0].tolist()
-        with _SlowVerification(verification).patch:
-            # The table says every step length costs one token: only the engine's own steps tell otherwise.
-            slow = _SlowPasses(model, **slowness)
-            self.addCleanup(slow.handle.remove)
-            out = model.generate_batch(
-                [prompt], _config(64, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
-            )
+        # The table says every step length costs one token: only the engine's own steps tell otherwise.
+        slow = _SlowPasses(model, **slowness)
+        self.addCleanup(slow.handle.remove)
+        out = model.generate_batch(
+            [prompt], _config(64, lookahead_window="auto"), continuous_batching_config=ENGINE, progress_bar=False
+        )
         self.assertEqual(len(out["req_0"].generated_tokens), 64)
         # The engine fits every step, its prefill included: the steps after `engine_steps_needed` of them are
         # priced by the fit, the ones between the prefill and those by the table.

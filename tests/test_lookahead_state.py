@@ -1,6 +1,7 @@
 """`LookaheadState`: what `"auto"` keeps between calls, held by the model, safe under threads."""
 
 import copy
+import dataclasses
 import pickle
 import tempfile
 import threading
@@ -10,9 +11,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from parameterized import parameterized
 
 from transformers_lookahead import LookaheadConfig, LookaheadState, enable_lookahead
 from transformers_lookahead import generate as lookahead_generate
+from transformers_lookahead.auto_tuning import AUTO_TUNING, AutoTuning
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.step_policy import PolicyEstimates
 
@@ -115,6 +118,45 @@ class FixedPricingTest(unittest.TestCase):
         unslowed = steps(follow=False, slow=False)
         self.assertEqual(steps(follow=False, slow=True), unslowed)
         self.assertNotEqual(steps(follow=True, slow=True), unslowed)
+
+
+class ToolHooksTest(unittest.TestCase):
+    """What tools inject through the state: the tuned constants `"auto"` decides with, and an observer of steps."""
+
+    def _run(self, tuning: AutoTuning) -> tuple[torch.Tensor, list]:
+        steps = []
+        state = LookaheadState(
+            cost_dir=None,
+            step_costs=StepCostModel({1: 1.0, 64: 1.0}),
+            follow_durations=False,
+            tuning=tuning,
+            step_observer=lambda choice, row, verdict: steps.append((choice, row, verdict)),
+        )
+        model = enable_lookahead(tiny_model("llama"), state=state)
+        prompt = random_prompt(24, seed=5)
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        out = model.generate(
+            prompt, max_new_tokens=40, do_sample=False, lookahead_window="auto", return_dict_in_generate=True
+        )
+        self.assertTrue(torch.equal(out.sequences, expected))
+        self.assertEqual([len(verdict.tokens) for _, _, verdict in steps], list(out.accepted_per_step))
+        return out, steps
+
+    @parameterized.expand([("narrow", 2, 3), ("wide", 6, 0)])
+    def test_every_step_is_observed_and_decided_with_the_given_tuning(self, _, max_window, context_depth):
+        _, steps = self._run(dataclasses.replace(AUTO_TUNING, max_window=max_window, context_depth=context_depth))
+        levels = AUTO_TUNING.ngram - 1
+        windowed = [row for choice, row, _ in steps if choice.use_window]
+        self.assertTrue(windowed, "a flat table runs the window")
+        for row in windowed:
+            # The flat table makes the widest window pay: the tuning's.
+            self.assertEqual(row.tree_start - row.pending_length, max_window * levels)
+        deepest_copy = max(len(choice.offer.tree.context_path()) for choice, _, _ in steps)
+        self.assertEqual(deepest_copy, context_depth, "the context's copies go as deep as the tuning says")
+
+    def test_bad_tuning_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "`tuning` must be an `AutoTuning`"):
+            LookaheadState(tuning={"max_window": 2})
 
 
 class ConcurrentCallsTest(unittest.TestCase):

@@ -1,6 +1,7 @@
 import dataclasses
 import unittest
 
+from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.cost_model import StepCostModel, StepPricing
 from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_policy import (
@@ -47,8 +48,8 @@ class StepPolicyTest(unittest.TestCase):
         self.assertIs(_plan(policy, tree, budget=2).tree, tree, "a fixed shape ignores a batch's budget")
 
     def test_window_width_follows_cost(self):
-        self.assertEqual(choose_window(FLAT, 4, 16), 16)
-        self.assertEqual(choose_window(STEEP, 4, 16), 1)
+        self.assertEqual(choose_window(FLAT, 4, dataclasses.replace(AUTO_TUNING, max_window=16)), 16)
+        self.assertEqual(choose_window(STEEP, 4, dataclasses.replace(AUTO_TUNING, max_window=16)), 1)
 
     def test_flat_cost_verifies_everything(self):
         policy = AdaptiveStepPolicy(StepPricing(FLAT), window_length=8, levels=2)
@@ -91,7 +92,9 @@ class StepPolicyTest(unittest.TestCase):
         self.assertEqual(sorted(planned.tokens), sorted(tree.tokens[node] for node in kept))
 
     def test_a_window_probe_stays_within_the_budget(self):
-        policy = AdaptiveStepPolicy(StepPricing(STEEP), window_length=8, levels=2, probe_every=0)
+        policy = AdaptiveStepPolicy(
+            StepPricing(STEEP), window_length=8, levels=2, tuning=dataclasses.replace(AUTO_TUNING, probe_every=0)
+        )
         tree = _tree()
         choice = _plan(policy, tree, budget=10)
         self.assertTrue(choice.use_window)
@@ -101,7 +104,8 @@ class StepPolicyTest(unittest.TestCase):
         self.assertLessEqual(1 + len(choice.tree), 6)
 
     def test_probes_that_do_not_pay_come_less_often(self):
-        policy = AdaptiveStepPolicy(StepPricing(STEEP), window_length=8, levels=2, probe_every=32, max_probe_every=128)
+        tuning = dataclasses.replace(AUTO_TUNING, probe_every=32, max_probe_every=128)
+        policy = AdaptiveStepPolicy(StepPricing(STEEP), window_length=8, levels=2, tuning=tuning)
         probes = []
         for step in range(700):
             choice = _plan(policy, _tree())

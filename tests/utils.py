@@ -55,7 +55,7 @@ def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree
     return pool.tree(key, depth)
 
 
-def flat_state(engine_fit: bool = False, memory_dir: str | None = None) -> LookaheadState:
+def flat_state(engine_fit: bool = False, memory_dir: str | None = None, step_observer=None) -> LookaheadState:
     """
     A state (`enable_lookahead(model, flat_state())`) whose `"auto"` plans with a flat cost table (every step length
     costs one token, as on an accelerator) instead of this machine's measured one, and learns nothing from step
@@ -67,9 +67,14 @@ def flat_state(engine_fit: bool = False, memory_dir: str | None = None) -> Looka
             it keeps to the flat table: on a tiny model the host's work outweighs the forward pass, and on a starved
             CPU the fit then priced every step of several tokens out.
         memory_dir (`str`, *optional*): where the suffix memory is kept (in memory only by default).
+        step_observer (`Callable`, *optional*): called after every sequence's step (see `LookaheadState`).
     """
     return LookaheadState(
-        cost_dir=None, memory_dir=memory_dir, step_costs=StepCostModel({1: 1.0, 64: 1.0}), follow_durations=engine_fit
+        cost_dir=None,
+        memory_dir=memory_dir,
+        step_costs=StepCostModel({1: 1.0, 64: 1.0}),
+        follow_durations=engine_fit,
+        step_observer=step_observer,
     )
 
 

@@ -18,18 +18,18 @@ projected with the model's bf16 curve: generated tokens over the summed relative
 from __future__ import annotations
 
 import statistics
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from unittest import mock
 
 import torch
 
-from transformers_lookahead import configuration_lookahead, enable_lookahead, lookahead_decoding
+from transformers_lookahead import enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.lookahead_state import LookaheadState
-from transformers_lookahead.step_policy import AdaptiveStepPolicy
+from transformers_lookahead.step_layout import RowStep
+from transformers_lookahead.step_policy import StepChoice
 from transformers_lookahead.token_tree import TokenTree
+from transformers_lookahead.verification import Verdict
 
 # Cost of a forward pass of T tokens relative to one token, bf16, 2 threads, on the development CPU with AVX512-BF16
 # (issue 19's measurement; 300-token context).
@@ -74,6 +74,12 @@ class StepRecord:
     window: bool
     verified: int
     offered: TokenTree
+
+    @classmethod
+    def of(cls, earlier: list[StepRecord], choice: StepChoice, row: RowStep, verdict: Verdict) -> StepRecord:
+        """The record of a step (what `LookaheadState.step_observer` is given) that followed the `earlier` ones."""
+        start = sum(step.accepted for step in earlier) + 1  # The prefill chose the first token.
+        return cls(start, row.length, len(verdict.tokens), choice.use_window, len(choice.tree), choice.offer.tree)
 
 
 def deepest_match(tree: TokenTree, continuation: list[int], source: str | None = None) -> int:
@@ -121,44 +127,31 @@ def run_ceiling(args, model, tokenizer, prompts) -> dict:
         raise ValueError(f"--ceiling-settings takes {list(CEILING_SETTING_NAMES)}, got {unknown}.")
     settings = {CEILING_SETTING_NAMES[short]: CEILING_SETTINGS[CEILING_SETTING_NAMES[short]] for short in chosen}
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
-    # Each setting priced by its fixed curve alone (no learning from measured durations), its estimates its own.
+    # Each setting priced by its fixed curve alone (no learning from measured durations), its estimates its own, and
+    # every step recorded into `steps`.
+    steps: list[StepRecord] = []
     states = {
-        name: LookaheadState(cost_dir=None, step_costs=curve if pricing == "bf16" else FLAT, follow_durations=False)
-        for name, (pricing, _, _) in settings.items()
+        name: LookaheadState(
+            cost_dir=None,
+            step_costs=curve if pricing == "bf16" else FLAT,
+            follow_durations=False,
+            tuning=replace(AUTO_TUNING, **tuning),
+            step_observer=lambda choice, row, verdict: steps.append(StepRecord.of(steps, choice, row, verdict)),
+        )
+        for name, (pricing, _, tuning) in settings.items()
     }
     results = []
     for prompt_id, category, ids, prompt_length in tqdm(prompts, desc="ceiling", unit="prompt"):
         reference = model.generate(ids, **common)[0, prompt_length:].tolist()
         runs = {}
-        for name, (_, kwargs, tuning) in settings.items():
-            steps: list[StepRecord] = []
+        for name, (_, kwargs, _) in settings.items():
+            steps.clear()
             enable_lookahead(model, state=states[name])
-            with _recorded(steps, tuning):
-                out = model.generate(ids, **common, lookahead_window="auto", lookahead_memory=False, **kwargs)
+            out = model.generate(ids, **common, lookahead_window="auto", lookahead_memory=False, **kwargs)
             generated = out[0, prompt_length:].tolist()
             runs[name] = _summarize_steps(steps, generated, curve) | {"identical": generated == reference}
         results.append({"prompt_id": prompt_id, "category": category, "tokens": len(reference), "runs": runs})
     return {"prompts": results, "settings": list(settings), "bf16_curve": dict(zip(curve.lengths, curve.costs))}
-
-
-def _recorded(steps: list[StepRecord], tuning: dict) -> ExitStack:
-    """Applies `tuning` and records every step into `steps`."""
-    observe = AdaptiveStepPolicy.observe
-
-    def recording(policy, choice, verdict, pool, key):
-        start = sum(step.accepted for step in steps) + 1  # The prefill chose the first token.
-        length = choice.offer.pending + (policy.window_length if choice.use_window else 0) + len(choice.tree)
-        steps.append(
-            StepRecord(start, length, len(verdict.tokens), choice.use_window, len(choice.tree), choice.offer.tree)
-        )
-        return observe(policy, choice, verdict, pool, key)
-
-    stack = ExitStack()
-    tuned = replace(AUTO_TUNING, **tuning)
-    stack.enter_context(mock.patch.object(AdaptiveStepPolicy, "observe", recording))
-    for module in (lookahead_decoding, configuration_lookahead):
-        stack.enter_context(mock.patch.object(module, "AUTO_TUNING", tuned))
-    return stack
 
 
 def _summarize_steps(steps: list[StepRecord], generated: list[int], curve: StepCostModel) -> dict:

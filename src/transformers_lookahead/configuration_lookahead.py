@@ -6,7 +6,7 @@ import inspect
 import numbers
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from .auto_tuning import AUTO_TUNING
@@ -16,18 +16,6 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
 
-# The fields lookahead decoding reads from `GenerationConfig` (or from `generate(**kwargs)`), in the order users
-# set them.
-LOOKAHEAD_FIELDS = (
-    "lookahead_window",
-    "lookahead_ngram",
-    "lookahead_guess",
-    "lookahead_pool_from_prompt",
-    "lookahead_cache_commit",
-    "lookahead_memory",
-    "lookahead_memory_size",
-    "lookahead_memory_namespace",
-)
 CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
 
 # Attention backends that apply an arbitrary 4D mask (flex attention as a `BlockMask`). Every other backend (flash
@@ -202,16 +190,13 @@ class LookaheadConfig:
                     '`lookahead_window` (an int >= 1, or "auto") to turn lookahead decoding on.'
                 )
             return None
-        return cls(
-            window=window,
-            ngram=values.get("lookahead_ngram", DEFAULT_NGRAM),
-            guess=values.get("lookahead_guess"),
-            pool_from_prompt=values.get("lookahead_pool_from_prompt", True),
-            cache_commit=values.get("lookahead_cache_commit", "gather"),
-            memory=values.get("lookahead_memory"),
-            memory_size=values.get("lookahead_memory_size", DEFAULT_MEMORY_SIZE),
-            memory_namespace=values.get("lookahead_memory_namespace", DEFAULT_MEMORY_NAMESPACE),
-        )
+        values["lookahead_window"] = window
+        return cls(**{field.removeprefix("lookahead_"): value for field, value in values.items()})
+
+
+# The fields lookahead decoding reads from `GenerationConfig` (or from `generate(**kwargs)`): `LookaheadConfig`'s,
+# prefixed.
+LOOKAHEAD_FIELDS = tuple(f"lookahead_{field.name}" for field in fields(LookaheadConfig))
 
 
 def first_set(name: str, *sources: Any) -> Any:

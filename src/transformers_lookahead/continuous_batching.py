@@ -35,7 +35,6 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 
-from .auto_tuning import AUTO_TUNING
 from .compatibility import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
@@ -148,27 +147,25 @@ class LookaheadBatching:
         # Keyed as the model runs in the engine (paged attention): steps of another dtype or thread count, or of
         # the model's own backend, would price these wrongly.
         self.engine_key = model_key(model)
+        tuning = state.tuning
         if cost is not None and state.follow_durations:
             self.engine_cost = EngineStepCost(
-                cost,
-                AUTO_TUNING.engine_steps_kept,
-                AUTO_TUNING.engine_steps_needed,
-                state.recall_engine_steps(self.engine_key),
+                cost, tuning.engine_steps_kept, tuning.engine_steps_needed, state.recall_engine_steps(self.engine_key)
             )
         # Query and key tokens of the pass `lay_out` prepared, and the requests it verifies, for `observe_step`.
         self.step_shape: tuple[int, int, int] | None = None
         self.pricing = None
         if config.adaptive:
-            self.window_size = choose_window(cost, config.levels, AUTO_TUNING.max_window)
+            self.window_size = choose_window(cost, config.levels, tuning)
             # The engine times whole steps itself (`EngineStepCost`), not through the policies' pricing.
-            self.pricing = StepPricing(cost)
+            self.pricing = StepPricing(cost, tuning=tuning)
         else:
             self.window_size = config.window
         self.memory: SuffixMemory | None = None
         if config.memory:
             self.memory = state.memory(model, config.memory_namespace, config.memory_size)
         self.factory = LookaheadFactory(
-            config, self.window_size, self.do_sample, state.recall, self.memory, self.pricing
+            config, self.window_size, self.do_sample, state.recall, self.memory, self.pricing, tuning
         )
         # Only `row` is used: Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
         self.layout = StepLayout(
@@ -335,6 +332,8 @@ class LookaheadBatching:
             self.requests[request_id] = lookahead
         elif step is not None:
             learn_from_step(lookahead, step.choice, step.row, verdict, kept, choices, self.config)
+            if self.state.step_observer is not None:
+                self.state.step_observer(step.choice, step.row, verdict)
         else:
             # A plain one-token step (the scheduler left its block out): the text moved on, nothing was verified.
             lookahead.advance(kept, self.config)

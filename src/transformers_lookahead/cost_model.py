@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .auto_tuning import AUTO_TUNING
+from .auto_tuning import AUTO_TUNING, AutoTuning
 
 # Step lengths the cost is measured at; lengths in between are interpolated.
 COST_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -63,11 +63,13 @@ class StepPricing:
         table (`StepCostModel`): the model's table, for a step of the batch as it is now (`use_table`).
         timed (`bool`): whether the loop reports every step's duration (`observe`). Durations are judged against a
             one-token step's: until one was timed, `wants_reference` asks the policy for one.
+        tuning (`AutoTuning`): how fast and how far durations move the price.
     """
 
-    def __init__(self, table: StepCostModel, timed: bool = False):
+    def __init__(self, table: StepCostModel, timed: bool = False, tuning: AutoTuning = AUTO_TUNING):
         self.table = table
         self.timed = timed
+        self.tuning = tuning
         self.excess_scale = 1.0
         self.underpricing: dict[int, float] = {}
         self._single_token_seconds: float | None = None
@@ -96,7 +98,7 @@ class StepPricing:
 
     def observe(self, length: int, seconds: float) -> None:
         """Learns from the measured duration of a step of `length` tokens: from its forward pass to its verdict."""
-        smoothing = AUTO_TUNING.duration_smoothing
+        smoothing = self.tuning.duration_smoothing
         if length == 1:
             previous = self._single_token_seconds
             self._single_token_seconds = seconds if previous is None else previous + smoothing * (seconds - previous)
@@ -107,13 +109,13 @@ class StepPricing:
         excess = self.table(length) - 1.0
         explained = 1.0
         if excess > 0.0:
-            low, high = AUTO_TUNING.excess_scale_range
+            low, high = self.tuning.excess_scale_range
             factor = min(max((measured - 1.0) / excess, low), high)
             self.excess_scale += smoothing * (factor - self.excess_scale)
             explained = 1.0 + excess * factor
         # A flat table (no excess to scale) or one far too low: without this, steps priced at about one token that
         # cost two ran "auto" at half plain greedy's speed (a flat table on a CPU, measured).
-        low, high = AUTO_TUNING.underpricing_range
+        low, high = self.tuning.underpricing_range
         band = length.bit_length()
         previous = self.underpricing.get(band, 1.0)
         self.underpricing[band] = previous + smoothing * (min(max(measured / explained, low), high) - previous)

@@ -348,6 +348,7 @@ class LookaheadDecoder:
         self.committer = committer
         self.forward = forward
         self.state = state if state is not None else LookaheadState()
+        tuning = self.state.tuning
         # Tensor-parallel ranks must take identical steps (see `RankSync`); `None` on one device.
         self.sync = RankSync.for_model(model)
         if config.adaptive:
@@ -359,9 +360,9 @@ class LookaheadDecoder:
             if self.sync is not None:
                 self.cost = self.sync.agree(self.cost)
             batch_cost = self.cost.for_batch(batch_size)
-            self.window_size = choose_window(batch_cost, config.levels, AUTO_TUNING.max_window)
+            self.window_size = choose_window(batch_cost, config.levels, tuning)
             # One pricing for the batch: every row's step costs what the batch's step costs.
-            self.pricing = StepPricing(batch_cost, timed=self.follows_durations)
+            self.pricing = StepPricing(batch_cost, self.follows_durations, tuning)
         else:
             self.window_size = config.window
             self.pricing = None
@@ -386,6 +387,7 @@ class LookaheadDecoder:
             self._carried_estimates,
             self.memory,
             self.pricing,
+            tuning,
         )
 
     @property
@@ -440,6 +442,8 @@ class LookaheadDecoder:
                 learn_from_step(
                     plan.sequence, plan.choice, plan.row, verdict, kept, choices_of_row, self.config, refeed
                 )
+                if self.state.step_observer is not None:
+                    self.state.step_observer(plan.choice, plan.row, verdict)
             if self.pricing is not None and self.pricing.timed:
                 self.pricing.observe(step.length, elapsed)
             active, slot_valid = self._settle(sequences, active, slot_valid)
@@ -627,7 +631,7 @@ class LookaheadDecoder:
             return
         self.forward.compile(generation_config.compile_config)
         longest = self.config.max_step_length(self.window_size)
-        self.buckets = compiled_buckets(self.cost, longest) if self.config.adaptive else (longest,)
+        self.buckets = compiled_buckets(self.cost, longest, self.state.tuning) if self.config.adaptive else (longest,)
 
     def _bucket(self, plans: list[StepPlan]) -> int | None:
         """The length a compiled step is padded to: the shortest bucket that holds its longest row."""

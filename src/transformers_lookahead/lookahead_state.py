@@ -7,15 +7,20 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .auto_tuning import AUTO_TUNING, AutoTuning
 from .configuration_lookahead import DEFAULT_MEMORY_NAMESPACE, DEFAULT_MEMORY_SIZE, NAMESPACE_PATTERN
 from .cost_measurement import default_cost_dir, load_or_measure, model_key
 from .cost_model import StepCostModel
 from .suffix_memory import SuffixMemory, vocabulary_key
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedModel
 
-    from .step_policy import PolicyEstimates
+    from .step_layout import RowStep
+    from .step_policy import PolicyEstimates, StepChoice
+    from .verification import Verdict
 
 # Where suffix memories are kept between processes when the user did not choose (unset: nowhere).
 MEMORY_DIR_VARIABLE = "TRANSFORMERS_LOOKAHEAD_MEMORY_DIR"
@@ -62,6 +67,12 @@ class LookaheadState:
             Whether `"auto"` also learns from the measured durations of its steps what its table under-prices (in
             continuous batching: prices steps by the engine's timed steps, `EngineStepCost`). Off, its steps depend
             only on the table and the text.
+        tuning (`AutoTuning`, *optional*):
+            The constants `"auto"` decides with (defaults to `AUTO_TUNING`; what `lookahead_ngram` and
+            `lookahead_guess` `"auto"` resolve to is read with the settings, from `AUTO_TUNING`).
+        step_observer (`Callable`, *optional*):
+            Called after every sequence's step with what its policy chose (`StepChoice`), its part of the step
+            (`RowStep`) and the `Verdict`: how tools record steps.
     """
 
     def __init__(
@@ -70,13 +81,19 @@ class LookaheadState:
         memory_dir: str | os.PathLike | None | Any = _DEFAULT,
         step_costs: StepCostModel | None = None,
         follow_durations: bool = True,
+        tuning: AutoTuning = AUTO_TUNING,
+        step_observer: Callable[[StepChoice, RowStep, Verdict], None] | None = None,
     ):
         if not isinstance(follow_durations, bool):
             raise ValueError(f"`follow_durations` must be True or False, got {follow_durations!r}.")
         if step_costs is not None and not isinstance(step_costs, StepCostModel):
             raise ValueError(f"`step_costs` must be a `StepCostModel` or None, got {type(step_costs).__name__}.")
+        if not isinstance(tuning, AutoTuning):
+            raise ValueError(f"`tuning` must be an `AutoTuning`, got {type(tuning).__name__}.")
         self.step_costs = step_costs
         self.follow_durations = follow_durations
+        self.tuning = tuning
+        self.step_observer = step_observer
         self.cost_dir = default_cost_dir() if cost_dir is _DEFAULT else (None if cost_dir is None else Path(cost_dir))
         if memory_dir is _DEFAULT:
             memory_dir = os.environ.get(MEMORY_DIR_VARIABLE) or None
@@ -207,4 +224,5 @@ class LookaheadState:
         return LookaheadState(*self.__reduce__()[1])
 
     def __reduce__(self):
-        return (LookaheadState, (self.cost_dir, self.memory_dir, self.step_costs, self.follow_durations))
+        arguments = (self.cost_dir, self.memory_dir, self.step_costs, self.follow_durations, self.tuning)
+        return (LookaheadState, (*arguments, self.step_observer))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .auto_tuning import AUTO_TUNING
+from .auto_tuning import AUTO_TUNING, AutoTuning
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool
 from .step_policy import AdaptiveStepPolicy, PolicyEstimates, StaticStepPolicy, StepChoice, StepOffer, StepPolicy
@@ -136,11 +136,13 @@ class MemoryCandidates(CandidateSource):
             tree.add_memory(match, self.max_nodes)
 
 
-def candidate_sources(config: LookaheadConfig, memory: SuffixMemory | None) -> list[CandidateSource]:
+def candidate_sources(
+    config: LookaheadConfig, memory: SuffixMemory | None, tuning: AutoTuning = AUTO_TUNING
+) -> list[CandidateSource]:
     """Every source a step's candidates come from, in the order their proposals are merged."""
-    sources = [PoolCandidates(config.levels), ContextCandidates(AUTO_TUNING.context_depth)]
+    sources = [PoolCandidates(config.levels), ContextCandidates(tuning.context_depth)]
     if memory is not None:
-        sources.append(MemoryCandidates(AUTO_TUNING.memory_depth, memory, AUTO_TUNING.memory_nodes))
+        sources.append(MemoryCandidates(tuning.memory_depth, memory, tuning.memory_nodes))
     return sources
 
 
@@ -157,6 +159,7 @@ class LookaheadFactory:
         memory (`SuffixMemory`, *optional*): earlier calls' text, whose matches the policy prices.
         pricing (`StepPricing`, *optional*): what steps cost, which every sequence's policy asks (for `"auto"`); it
             starts from what earlier calls learnt.
+        tuning (`AutoTuning`): the constants of `"auto"`'s sources and policies.
     """
 
     def __init__(
@@ -167,14 +170,16 @@ class LookaheadFactory:
         recall: Callable[[tuple], PolicyEstimates | None],
         memory: SuffixMemory | None = None,
         pricing: StepPricing | None = None,
+        tuning: AutoTuning = AUTO_TUNING,
     ):
         self.config = config
+        self.tuning = tuning
         self.window_size = window_size
         self.do_sample = do_sample
         self.recall = recall
         self.memory = memory
         self.pricing = pricing
-        self.sources = candidate_sources(config, memory)
+        self.sources = candidate_sources(config, memory, tuning)
         self._pricing_started = False
 
     def parts(self, tokens: list[int]) -> tuple[NGramPool, LookaheadWindow, StepPolicy, ContextIndex | None]:
@@ -190,9 +195,10 @@ class LookaheadFactory:
                 self.pricing,
                 self.window_size * config.levels,
                 config.levels,
-                context_depth=AUTO_TUNING.context_depth,
+                context_depth=self.tuning.context_depth,
                 memory_match=self.memory.max_match if self.memory is not None else 0,
-                memory_depth=AUTO_TUNING.memory_depth,
+                memory_depth=self.tuning.memory_depth,
+                tuning=self.tuning,
             )
             learnt = self.recall(self.estimates_key(policy))
             if learnt is not None:

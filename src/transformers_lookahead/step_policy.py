@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from .auto_tuning import AUTO_TUNING
+from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cost_model import StepCostModel, StepPricing
 from .ngram_pool import NGramPool
 from .token_tree import TokenTree
@@ -16,21 +16,14 @@ from .verification import Verdict
 _TIMED_ONE_TOKEN_STEP = 2
 
 
-def choose_window(
-    cost: StepCostModel, levels: int, max_window: int, budget: float = AUTO_TUNING.window_cost_budget
-) -> int:
+def choose_window(cost: StepCostModel, levels: int, tuning: AutoTuning = AUTO_TUNING) -> int:
     """
-    The window `lookahead_window="auto"` uses: the widest one (up to `max_window`) that makes a step carrying one
-    candidate path cost at most `budget` times that step without the window. Wide on a GPU, narrow on a CPU.
-
-    Args:
-        cost (`StepCostModel`): forward cost against step length.
-        levels (`int`): N - 1, the window's levels and the length of a candidate path.
-        max_window (`int`): the widest window considered.
-        budget (`float`): the cost ratio allowed for the window.
+    The window `lookahead_window="auto"` uses: the widest one (up to `tuning.max_window`) that makes a step carrying
+    one candidate path of `levels` (N - 1) tokens cost at most `tuning.window_cost_budget` times that step without
+    the window. Wide on a GPU, narrow on a CPU.
     """
-    base = 1 + levels
-    fitting = [w for w in range(1, max_window + 1) if cost(base + w * levels) <= budget * cost(base)]
+    base, budget = 1 + levels, tuning.window_cost_budget
+    fitting = [w for w in range(1, tuning.max_window + 1) if cost(base + w * levels) <= budget * cost(base)]
     return max(fitting, default=1)
 
 
@@ -236,14 +229,10 @@ class AdaptiveStepPolicy:
         pricing (`StepPricing`): what a step of T tokens (per row) costs, shared by the rows of a batch.
         window_length (`int`): tokens the window adds to a step (W x (N - 1)).
         levels (`int`): N - 1, the deepest candidate.
-        decay (`float`): weight kept by the running estimates at each step.
-        probe_every (`int`): steps without the window after which one window step is forced, at first.
-        max_probe_every (`int`): the longest wait between forced window steps.
         context_depth (`int`): the longest continuation copied from the context.
         memory_match (`int`): the longest match of the suffix memory (0: no memory).
         memory_depth (`int`): the deepest continuation of the suffix memory.
-        calibration_decay (`float`): weight kept by the calibration sums at each step.
-        calibration_prior (`float`): predicted and accepted nodes the calibration starts from.
+        tuning (`AutoTuning`): the estimates' decay and priors, the probes' waits and the calibration's constants.
     """
 
     def __init__(
@@ -251,30 +240,25 @@ class AdaptiveStepPolicy:
         pricing: StepPricing,
         window_length: int,
         levels: int,
-        decay: float = AUTO_TUNING.decay,
-        probe_every: int = AUTO_TUNING.probe_every,
-        max_probe_every: int = AUTO_TUNING.max_probe_every,
         context_depth: int = 0,
         memory_match: int = 0,
         memory_depth: int = 0,
-        calibration_decay: float = AUTO_TUNING.calibration_decay,
-        calibration_prior: float = AUTO_TUNING.calibration_prior,
+        tuning: AutoTuning = AUTO_TUNING,
     ):
         self.pricing = pricing
         self.window_length = window_length
-        self.decay = decay
-        self.probe_every = probe_every
-        self.max_probe_every = max(max_probe_every, probe_every)
-        self._probe_wait = probe_every
-        tuning = AUTO_TUNING
+        self.decay = tuning.decay
+        self.probe_every = tuning.probe_every
+        self.max_probe_every = max(tuning.max_probe_every, tuning.probe_every)
+        self._probe_wait = tuning.probe_every
         self.match_rate = [tuning.match_prior] * (levels + 1)
         self.context_rate = [tuning.context_prior] * (context_depth + 1)
         self.memory_rate = (
             [[tuning.memory_prior] * (memory_depth + 1) for _ in range(memory_match + 1)] if memory_match else []
         )
         self._window_credit, self._window_steps = tuning.window_credit_prior, tuning.window_steps_prior
-        self.calibration_decay = calibration_decay
-        self.calibration_prior = calibration_prior
+        self.calibration_decay = tuning.calibration_decay
+        self.calibration_prior = tuning.calibration_prior
         self._predicted, self._realized = 0.0, 0.0
         self._steps_without_window = 0
         self._steps_planned = 0
