@@ -9,9 +9,22 @@ import unittest
 import zipfile
 from pathlib import Path
 
+import transformers
+
 import transformers_lookahead
 
 ROOT = Path(__file__).resolve().parents[1]
+# The Transformers modules the package reaches into, and the only files where their private names may appear: the
+# compatibility module and the test that checks it.
+TRANSFORMERS_REACHED = (
+    "generation/**/*.py",
+    "cache_utils.py",
+    "configuration_utils.py",
+    "masking_utils.py",
+    "modeling_utils.py",
+    "integrations/sdpa_attention.py",
+)
+PRIVATE_API_FILES = {"compatibility.py", "test_compatibility.py"}
 # Everything `generate` needs, and only that.
 STRATEGY_MODULES = {
     "__init__",
@@ -152,3 +165,55 @@ class ImportGraphTest(unittest.TestCase):
     def test_a_cycle_is_found(self):
         self.assertEqual(import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}), ["a", "b", "c", "a"])
         self.assertIsNone(import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}))
+
+
+def private_names(source: str) -> set[str]:
+    """The names with one leading underscore a module defines: its functions, classes and assigned attributes."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, ast.Attribute | ast.Name) and isinstance(node.ctx, ast.Store):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id
+        else:
+            continue
+        if name.startswith("_") and not name.startswith("__"):
+            names.add(name)
+    return names
+
+
+def private_uses(source: str, theirs: set[str]) -> list[str]:
+    """Where `source` reads a name of `theirs` it does not define itself (an attribute or an import), as `name:line`."""
+    foreign = theirs - private_names(source)
+    uses = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in foreign:
+            uses.append(f"{node.attr}:{node.lineno}")
+        elif isinstance(node, ast.ImportFrom):
+            uses += [f"{alias.name}:{node.lineno}" for alias in node.names if alias.name in foreign]
+    return uses
+
+
+class PrivateNamesTest(unittest.TestCase):
+    def test_private_transformers_names_only_in_the_compatibility_module(self):
+        root = Path(transformers.__file__).parent
+        theirs = set().union(
+            *(private_names(path.read_text()) for pattern in TRANSFORMERS_REACHED for path in root.glob(pattern))
+        )
+        self.assertIn("_prefill", theirs)
+        ours = [path for folder in ("src", "tests", "utils") for path in sorted((ROOT / folder).rglob("*.py"))]
+        found = {
+            str(path.relative_to(ROOT)): uses
+            for path in ours
+            if path.name not in PRIVATE_API_FILES and (uses := private_uses(path.read_text(), theirs))
+        }
+        self.assertEqual(found, {}, "private Transformers names belong in compatibility.py")
+
+    def test_a_private_use_is_found(self):
+        theirs = {"_attn_implementation", "_prefill"}
+        reaching = (
+            "from transformers.x import _prefill\n\ndef f(model):\n    return model.config._attn_implementation\n"
+        )
+        self.assertEqual(private_uses(reaching, theirs), ["_prefill:1", "_attn_implementation:4"])
+        # A name the module defines itself is its own.
+        self.assertEqual(private_uses("class A:\n    def _prefill(self):\n        return self._prefill\n", theirs), [])
