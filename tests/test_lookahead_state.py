@@ -19,7 +19,7 @@ from transformers_lookahead.auto_tuning import AUTO_TUNING, AutoTuning
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.step_policy import PolicyEstimates
 
-from .utils import MeasurementCounter, random_prompt, tiny_model
+from .utils import MeasurementCounter, flat_state, random_prompt, tiny_model
 
 
 class LookaheadStateTest(unittest.TestCase):
@@ -123,14 +123,11 @@ class FixedPricingTest(unittest.TestCase):
 class ToolHooksTest(unittest.TestCase):
     """What tools inject through the state: the tuned constants `"auto"` decides with, and an observer of steps."""
 
-    def _run(self, tuning: AutoTuning) -> tuple[torch.Tensor, list]:
+    def _steps(self, tuning: AutoTuning) -> list[tuple]:
+        """Every step of an `"auto"` call under `tuning`, as the observer saw it (choice, row, verdict)."""
         steps = []
-        state = LookaheadState(
-            cost_dir=None,
-            step_costs=StepCostModel({1: 1.0, 64: 1.0}),
-            follow_durations=False,
-            tuning=tuning,
-            step_observer=lambda choice, row, verdict: steps.append((choice, row, verdict)),
+        state = flat_state(
+            tuning=tuning, step_observer=lambda choice, row, verdict: steps.append((choice, row, verdict))
         )
         model = enable_lookahead(tiny_model("llama"), state=state)
         prompt = random_prompt(24, seed=5)
@@ -140,11 +137,11 @@ class ToolHooksTest(unittest.TestCase):
         )
         self.assertTrue(torch.equal(out.sequences, expected))
         self.assertEqual([len(verdict.tokens) for _, _, verdict in steps], list(out.accepted_per_step))
-        return out, steps
+        return steps
 
     @parameterized.expand([("narrow", 2, 3), ("wide", 6, 0)])
     def test_every_step_is_observed_and_decided_with_the_given_tuning(self, _, max_window, context_depth):
-        _, steps = self._run(dataclasses.replace(AUTO_TUNING, max_window=max_window, context_depth=context_depth))
+        steps = self._steps(dataclasses.replace(AUTO_TUNING, max_window=max_window, context_depth=context_depth))
         levels = AUTO_TUNING.ngram - 1
         windowed = [row for choice, row, _ in steps if choice.use_window]
         self.assertTrue(windowed, "a flat table runs the window")

@@ -210,10 +210,8 @@ class PrivateNamesTest(unittest.TestCase):
         self.assertEqual(found, {}, "private Transformers names belong in compatibility.py")
 
     def test_a_private_use_is_found(self):
-        theirs = {"_attn_implementation", "_prefill"}
-        reaching = (
-            "from transformers.x import _prefill\n\ndef f(model):\n    return model.config._attn_implementation\n"
-        )
-        self.assertEqual(private_uses(reaching, theirs), ["_prefill:1", "_attn_implementation:4"])
+        theirs = {"_hidden_setting", "_prefill"}
+        reaching = "from transformers.x import _prefill\n\ndef f(model):\n    return model.config._hidden_setting\n"
+        self.assertEqual(private_uses(reaching, theirs), ["_prefill:1", "_hidden_setting:4"])
         # A name the module defines itself is its own.
         self.assertEqual(private_uses("class A:\n    def _prefill(self):\n        return self._prefill\n", theirs), [])

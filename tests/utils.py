@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from transformers_lookahead import LookaheadState
+from transformers_lookahead.auto_tuning import AUTO_TUNING, AutoTuning
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.token_tree import TokenTree
@@ -55,7 +56,9 @@ def pool_tree(key: int, continuations: list[list[int]], depth: int) -> TokenTree
     return pool.tree(key, depth)
 
 
-def flat_state(engine_fit: bool = False, memory_dir: str | None = None, step_observer=None) -> LookaheadState:
+def flat_state(
+    engine_fit: bool = False, memory_dir: str | None = None, step_observer=None, tuning: AutoTuning = AUTO_TUNING
+) -> LookaheadState:
     """
     A state (`enable_lookahead(model, flat_state())`) whose `"auto"` plans with a flat cost table (every step length
     costs one token, as on an accelerator) instead of this machine's measured one, and learns nothing from step
@@ -68,12 +71,14 @@ def flat_state(engine_fit: bool = False, memory_dir: str | None = None, step_obs
             CPU the fit then priced every step of several tokens out.
         memory_dir (`str`, *optional*): where the suffix memory is kept (in memory only by default).
         step_observer (`Callable`, *optional*): called after every sequence's step (see `LookaheadState`).
+        tuning (`AutoTuning`, *optional*): the constants `"auto"` decides with.
     """
     return LookaheadState(
         cost_dir=None,
         memory_dir=memory_dir,
         step_costs=StepCostModel({1: 1.0, 64: 1.0}),
         follow_durations=engine_fit,
+        tuning=tuning,
         step_observer=step_observer,
     )
 

@@ -331,9 +331,16 @@ class LookaheadBatching:
             lookahead = self.factory.build(tokens, limit, verifier)
             self.requests[request_id] = lookahead
         elif step is not None:
-            learn_from_step(lookahead, step.choice, step.row, verdict, kept, choices, self.config)
-            if self.state.step_observer is not None:
-                self.state.step_observer(step.choice, step.row, verdict)
+            learn_from_step(
+                lookahead,
+                step.choice,
+                step.row,
+                verdict,
+                kept,
+                choices,
+                self.config,
+                observer=self.state.step_observer,
+            )
         else:
             # A plain one-token step (the scheduler left its block out): the text moved on, nothing was verified.
             lookahead.advance(kept, self.config)

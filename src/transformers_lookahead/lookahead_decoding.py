@@ -412,7 +412,7 @@ class LookaheadDecoder:
         active = [sequence for sequence in sequences if not sequence.done]
         if active and len(active) < len(sequences):
             slot_valid = self._keep_running(active, sequences, slot_valid)
-        refeed = self.config.cache_commit == "refeed"
+        refeed, observer = self.config.cache_commit == "refeed", self.state.step_observer
         while True:
             plans = self._plan(active, layout) if active else []
             if self.sync is not None:
@@ -440,10 +440,8 @@ class LookaheadDecoder:
             slot_valid = self._commit(step.length, kept_rows, slot_valid)
             for plan, (verdict, kept), choices_of_row in zip(plans, verdicts, row_choices):
                 learn_from_step(
-                    plan.sequence, plan.choice, plan.row, verdict, kept, choices_of_row, self.config, refeed
+                    plan.sequence, plan.choice, plan.row, verdict, kept, choices_of_row, self.config, refeed, observer
                 )
-                if self.state.step_observer is not None:
-                    self.state.step_observer(plan.choice, plan.row, verdict)
             if self.pricing is not None and self.pricing.timed:
                 self.pricing.observe(step.length, elapsed)
             active, slot_valid = self._settle(sequences, active, slot_valid)

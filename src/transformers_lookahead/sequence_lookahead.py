@@ -261,6 +261,7 @@ def learn_from_step(
     choices: list[int],
     config: LookaheadConfig,
     refeed: bool = False,
+    observer: Callable[[StepChoice, RowStep, Verdict], None] | None = None,
 ) -> None:
     """
     Moves a sequence past a step that kept `kept` of its verified tokens (already appended to its text): what its
@@ -276,7 +277,10 @@ def learn_from_step(
         config (`LookaheadConfig`): the step shape.
         refeed (`bool`): whether the next step feeds the kept tokens again (`"refeed"` cache commits) rather than
             the last one only.
+        observer (`Callable`, *optional*): told of the step (`LookaheadState.step_observer`).
     """
+    if observer is not None:
+        observer(choice, row, verdict)
     sequence.accepted.append(kept)
     sequence.policy.observe(choice, verdict, sequence.pool, sequence.tokens[-kept - 1])
     if row.window_used:
