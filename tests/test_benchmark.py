@@ -26,6 +26,7 @@ from utils.benchmark import (
 )
 from utils.cb_benchmark import ENGINES as CB_ENGINES
 from utils.cb_benchmark import (
+    PADDED_ENGINES,
     arrival_times,
     engine_config,
     format_continuous_batching_table,
@@ -754,8 +755,32 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
                 "--arrival-rate takes requests per second above 0",
             ),
             (["--arrival-rate", "1"], "--arrival-rate sets the load of --continuous-batching"),
+            (["--padded-engines"], "--padded-engines adds engines to --continuous-batching"),
         ):
             _assert_refused_before_loading(self, argv, message)
+
+    def test_padded_engines_run_beside_the_others(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+        prompts = [(f"p{i}", "x", random_prompt(6 + i, seed=i), 6 + i) for i in range(3)]
+        args = SimpleNamespace(
+            concurrency=[2], repeats=1, max_new_tokens=12, padded_engines=True, padded_backend="eager"
+        )
+        queries = []
+        # Run as it is, so that recording a pass adds no guard to the compiled step.
+        record = torch.compiler.disable(lambda module, args, kwargs: queries.append(kwargs["input_ids"].shape[-1]))
+        hook = model.register_forward_pre_hook(record, with_kwargs=True)
+        self.addCleanup(hook.remove)
+        result = run_continuous_batching(args, model, tokenizer, prompts)
+        rows = summarize_continuous_batching(result)
+        self.assertEqual([row["engine"] for row in rows], [*CB_ENGINES, *PADDED_ENGINES])
+        for row in rows:
+            self.assertEqual(row["identical"], 3, row["engine"])
+        by_engine = {row["engine"]: row for row in rows}
+        self.assertGreater(by_engine["lookahead_cb_padded"]["tokens_per_forward"], 1.0)
+        # The eager engines' passes hold these few short prompts' tokens; the padded engines', whole intervals.
+        self.assertIn(64, queries)
+        self.assertIn("lookahead_cb_padded", format_continuous_batching_table(rows))
 
     def test_full_load_rate_leaves_out_the_drain(self):
         # Three clients, four requests: once the second answer ends no prompt is left, and the last two drain slowly.

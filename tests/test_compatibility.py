@@ -3,6 +3,7 @@
 import inspect
 import unittest
 from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 from unittest import mock
 
@@ -30,6 +31,7 @@ from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchProcessor,
 )
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import Scheduler
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -38,6 +40,7 @@ from transformers_lookahead.compatibility import (
     PER_REQUEST_WARPERS,
     ROLLBACK_LAYERS,
     BatchProcessorHooks,
+    ModelRunnerHooks,
     become,
     move_accepted_entries,
     pad_token_id,
@@ -195,13 +198,14 @@ PROBE_SETTINGS = dict(do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
 def _probe_engine(
-    max_new_tokens: int = 4,
+    max_new_tokens: int = 4, **engine
 ) -> tuple[PreTrainedModel, ContinuousBatchingManager, ContinuousBatchProcessor]:
     """A tiny model, its stock continuous-batching manager, and the processor its thread would run (not started)."""
     model = tiny_model("llama")
     generation_config = GenerationConfig(max_new_tokens=max_new_tokens, **PROBE_SETTINGS)
     manager = model.init_continuous_batching(
-        generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**PROBE_ENGINE)
+        generation_config=generation_config,
+        continuous_batching_config=ContinuousBatchingConfig(**{**PROBE_ENGINE, **engine}),
     )
     return model, manager, manager._create_batch_processor()
 
@@ -241,7 +245,7 @@ def check_continuous_batching() -> list[str]:
     What of Transformers' continuous-batching engine no longer behaves as `continuous_batching.py` and the
     accessors in `compatibility.py` expect, found by driving stock engines of a tiny model step by step.
     """
-    return _check_block() + _check_update_batch()
+    return _check_block() + _check_update_batch() + _check_step_function()
 
 
 def _check_block() -> list[str]:
@@ -348,7 +352,7 @@ def _check_update_batch() -> list[str]:
         None,
         max_batch_tokens=1,
     )
-    processor = LookaheadBatchProcessor.adopt(processor, lookahead)
+    processor = LookaheadBatchProcessor.adopt(processor, model, lookahead)
     for engine in (stock_manager, manager):
         engine.add_request([5, 6, 7, 8, 9], request_id="first")
         engine.add_request([9, 8, 7, 6, 5, 4, 3], request_id="second", max_new_tokens=2)
@@ -363,6 +367,40 @@ def _check_update_batch() -> list[str]:
                 "`ContinuousBatchProcessor.update_batch` changes what `LookaheadBatchProcessor.update_batch` "
                 f"(which replaces it) does not, or the reverse (at step {step})"
             ]
+    return []
+
+
+class _RecordingRunner(ModelRunnerHooks):
+    """Records the query length of every step its `step_function` ran, and runs Transformers' own."""
+
+    def step_function(self, model: torch.nn.Module, batch_data: dict) -> None:
+        self.lengths.append(batch_data["input_ids"].shape[1])
+        super().step_function(model, batch_data)
+
+
+def _check_step_function() -> list[str]:
+    """
+    An engine compiling its steps (`varlen_compile_config`) pads each step's query tokens to its interval, and runs a
+    `ModelRunnerHooks`' `step_function` compiled in their place.
+    """
+    compiled = CompileConfig(backend="eager", mode="default", fullgraph=False, dynamic=False)
+    model, manager, processor = _probe_engine(varlen_compile_config=compiled, q_padding_interval_size=16)
+    runner = become(processor.model_runner, _RecordingRunner)
+    runner.lengths = []
+    runner.compile_step_function()
+    request_id = manager.add_request([5, 6, 7])
+    try:
+        with torch.no_grad():
+            _run_step(model, processor)
+    except Exception as error:  # noqa: BLE001
+        return [f"a compiled continuous-batching step ({type(error).__name__}: {error})"]
+    if runner.lengths != [16]:
+        return [
+            "`ModelRunner.compute_batch` running `_forward_process_and_sample` compiled as `_compiled_varlen` "
+            f"(used by `ModelRunnerHooks`) on a query padded to `q_padding_interval_size`: it ran {runner.lengths}"
+        ]
+    if processor.scheduler.active_requests[request_id].generated_len() != 1:
+        return ["`ModelRunnerHooks.step_function` running Transformers' `_forward_process_and_sample`"]
     return []
 
 
@@ -457,6 +495,13 @@ def _reads_renamed_views(original):
     return update
 
 
+def _stock_step_function(original):
+    def _get_forward_fn(self, use_block_table):
+        return partial(ModelRunner._forward_process_and_sample, self), original(self, use_block_table)[1]
+
+    return _get_forward_fn
+
+
 def _requests_noted(original):
     def update_batch(self):
         original(self)
@@ -475,6 +520,7 @@ class ContinuousBatchingCheckTest(unittest.TestCase):
             ("layout", ContinuousBatchingIOs, "prepare_batch_tensors", _positions_from_zero, "prepare_batch_tensors"),
             ("pages", CachePool, "free_blocks", _pages_kept, "release_pages_past"),
             ("update", ContinuousBatchProcessor, "update_batch", _requests_noted, "update_batch"),
+            ("step function", ModelRunner, "_get_forward_fn", _stock_step_function, "_compiled_varlen"),
         ]
     )
     def test_a_changed_behaviour_is_named(self, _, owner, name, change, named):

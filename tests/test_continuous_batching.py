@@ -9,11 +9,14 @@ import statistics
 import threading
 import time
 import unittest
+from collections.abc import Callable
+from functools import partial
 from unittest import mock
 
 import torch
 from parameterized import parameterized
-from transformers import GenerationConfig
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
@@ -23,6 +26,8 @@ from transformers_lookahead.compatibility import set_attention_implementation_un
 from transformers_lookahead.continuous_batching import (
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
+    padded_step_cost,
+    padded_table,
     request_processors,
 )
 from transformers_lookahead.cost_model import StepCostModel
@@ -313,6 +318,125 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
         # the steps the first one timed, from its first decoding step on.
         self.assertGreater(min(first[1:needed]), 16)
         self.assertLessEqual(max(second[1:needed]), min(first[1:needed]) / 8)
+
+
+class _CountingBackend:
+    """
+    A dynamo backend that runs each graph as traced (no Inductor), and counts the runs of those traced from the
+    engine's step function itself (the first graph of `LookaheadModelRunner.step_function`, which reads its `rows`).
+    """
+
+    def __init__(self):
+        self.step_runs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        inputs = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
+        if inputs != ["l_self_rows"]:
+            return graph.forward
+
+        def run(*args):
+            self.step_runs += 1
+            return graph.forward(*args)
+
+        return run
+
+    def __deepcopy__(self, memo: dict) -> "_CountingBackend":
+        # The engine copies its config: the copy must count here.
+        return self
+
+
+def _compiled_engine(backend: Callable | str = "eager") -> dict:
+    """Engine settings that compile its steps with static shapes, padded to 64 query and 256 key tokens."""
+    return dict(
+        varlen_compile_config=CompileConfig(backend=backend, mode=None, fullgraph=False, dynamic=False),
+        q_padding_interval_size=64,
+        kv_padding_interval_size=256,
+    )
+
+
+def _record_length(lengths: list[int], choice, row, verdict) -> None:
+    lengths.append(row.length)
+
+
+class ContinuousBatchingCompiledTest(unittest.TestCase):
+    """An engine that compiles its steps (and on an accelerator could capture them): padded to its intervals."""
+
+    def test_steps_are_padded_and_compiled_once(self):
+        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
+        backend = _CountingBackend()
+        engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, **_compiled_engine(backend))
+        queries = []
+        # Run as it is (a graph break), so that recording a pass adds no guard to the compiled step.
+        record = torch.compiler.disable(lambda module, args, kwargs: queries.append(kwargs["input_ids"].shape[-1]))
+        handle = model.register_forward_pre_hook(record, with_kwargs=True)
+        self.addCleanup(handle.remove)
+        prompts = _prompts()
+        plain = model.generate_batch(prompts, _config(), continuous_batching_config=ENGINE, progress_bar=False)
+        seen = set()
+        # The same requests in another order, then other prompt lengths and limits: no shape compiles twice.
+        calls = [(prompts, 40), (prompts[3:] + prompts[:3], 40), (_prompts(9)[6:] + prompts[:3], 30)]
+        for call, (call_prompts, limit) in enumerate(calls):
+            counters.clear()
+            queries.clear()
+            backend.step_runs = 0
+            out = model.generate_batch(
+                call_prompts,
+                _config(limit, lookahead_window=4, lookahead_ngram=3),
+                continuous_batching_config=engine,
+                progress_bar=False,
+            )
+            with self.subTest(call=call):
+                self.assertEqual(len(out), len(call_prompts))
+                if call == 0:
+                    for request_id, result in out.items():
+                        self.assertEqual(result.generated_tokens, plain[request_id].generated_tokens, request_id)
+                        self.assertGreater(max(result.accepted_per_step), 1)
+                self.assertTrue(queries and all(length % 64 == 0 for length in queries), queries)
+                # Every pass, the engine's warm-up included, ran compiled.
+                self.assertEqual(backend.step_runs, len(queries))
+                if call > 0:
+                    self.assertLessEqual(set(queries), seen)
+                    self.assertEqual(counters["stats"]["unique_graphs"], 0)
+                else:
+                    self.assertGreater(counters["stats"]["unique_graphs"], 0)
+            seen |= set(queries)
+
+    def test_auto_takes_the_room_its_padding_gives(self):
+        # Past 8 tokens each token costs as much again: unpadded, "auto" keeps to short steps; padded to 64 tokens,
+        # any step up to 64 costs what 64 do.
+        lengths = {"plain": [], "padded": []}
+        for name, padding in (("plain", {}), ("padded", _compiled_engine())):
+            state = LookaheadState(
+                cost_dir=None,
+                memory_dir=None,
+                step_costs=StepCostModel(STEEP_AFTER_8),
+                follow_durations=False,
+                step_observer=partial(_record_length, lengths[name]),
+            )
+            model = enable_lookahead(tiny_model("llama", "sdpa"), state)
+            engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, **padding)
+            model.generate_batch(
+                _prompts(1),
+                _config(24, lookahead_window="auto"),
+                continuous_batching_config=engine,
+                progress_bar=False,
+            )
+        self.assertLessEqual(max(lengths["plain"]), 16)
+        self.assertGreater(max(lengths["padded"]), 32)
+
+    def test_a_padded_step_costs_as_its_padded_length(self):
+        steep = StepCostModel(STEEP_AFTER_8)
+        cost = padded_step_cost(steep, requests=3, interval=64)
+        # 3 x 21 = 63 tokens pad to 64: as 21 per request do; 3 x 22 = 66 pad to 128: as 42 do.
+        self.assertEqual(
+            [cost(1), cost(21), cost(22), cost(42), cost(43)], [steep(21)] * 2 + [steep(42)] * 2 + [steep(64)]
+        )
+        table = padded_table(steep, requests=3, interval=64, longest=100)
+        self.assertEqual(
+            [table(length) for length in range(1, 101)], [cost(length) / cost(1) for length in range(1, 101)]
+        )
+        # More requests than the budget has tokens (one-token steps only): still a table.
+        self.assertEqual(padded_table(steep, requests=600, interval=64, longest=0)(1), 1.0)
 
 
 class ContinuousBatchingSamplingTest(unittest.TestCase):

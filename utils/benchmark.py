@@ -15,6 +15,7 @@ interleaved per prompt, so machine noise hits them alike.
     python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
     python utils/benchmark.py --continuous-batching --num-prompts 8 --repeats 2   # 1 / 4 / 8 / 16 concurrent requests
     python utils/benchmark.py --continuous-batching --arrival-rate 0.5 1 2         # open loop: Poisson arrivals
+    python utils/benchmark.py --continuous-batching --padded-engines --concurrency 1 4  # and padded engines (graphs)
 
 `--dtype auto` (the default) runs bfloat16 where the device computes it natively (CUDA with bf16, a CPU with
 AVX512-BF16 or AMX) and float32 elsewhere, saying which; a half-precision run adds plain greedy in float32 as a
@@ -548,6 +549,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency (utils/cb_benchmark.py)",
     )
     parser.add_argument(
+        "--padded-engines",
+        action="store_true",
+        help="--continuous-batching: also both engines with every step padded to 64 query and 256 key tokens, "
+        "captured as CUDA graphs on a GPU and compiled (static shapes) elsewhere",
+    )
+    parser.add_argument(
+        "--padded-backend",
+        choices=["inductor", "eager"],
+        default="inductor",
+        help="--padded-engines off a GPU: the compiler backend (eager: dynamo alone, which checks the shapes quickly)",
+    )
+    parser.add_argument(
         "--ceiling",
         action="store_true",
         help='what "auto" steps were offered, verified and accepted, priced by fixed cost curves, in float32 '
@@ -613,6 +626,8 @@ def resolve_arguments(args, parser: argparse.ArgumentParser, argv: list[str] | N
         parser.error("--reference-fp32 compares causal language models; drop it with --whisper.")
     if args.whisper and args.model:
         parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop --model.")
+    if args.padded_engines and not args.continuous_batching:
+        parser.error("--padded-engines adds engines to --continuous-batching; add it, or drop --padded-engines.")
     if args.arrival_rate is not None and not args.continuous_batching:
         parser.error("--arrival-rate sets the load of --continuous-batching; add it, or drop --arrival-rate.")
     if args.arrival_rate is not None and min(args.arrival_rate) <= 0:

@@ -6,7 +6,8 @@ Each level replays the same prompts as a closed loop of `concurrency` clients: e
 soon as its previous answer is complete. With `--arrival-rate` the levels are open loops instead: the prompts arrive
 at Poisson times of that many requests per second (`arrival_times`, the same schedule for every engine and repeat),
 however many are in flight, as they reach a server; a request's latency counts from its arrival, and latency is what
-such a level is judged by. The three engines run interleaved per level and repeat. Reported per level
+such a level is judged by. The engines run interleaved per level and repeat; `--padded-engines` adds both
+engines again with padded steps (`PADDED_ENGINES`). Reported per level
 and engine: generated tokens per second over the level's wall time and while every client had a request in flight
 (`full_load_rate`, closed loops only), generated tokens per forward pass a request took part in (the prefill's
 included; plain continuous batching's is 1), per-request latency (p50, p95; and how many times shorter the median is
@@ -38,12 +39,19 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+from transformers import CompileConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from utils.timing import ForwardTimer
 
 ENGINES = ("plain_cb", "lookahead_cb", "generate_one_at_a_time")
+# With `--padded-engines`: both engines again, every step padded to 64 query and 256 key tokens and captured as a
+# CUDA graph (`use_cuda_graph=True`) on a GPU, compiled by Inductor with static shapes elsewhere. Compiled, the
+# graph breaks at each layer's paged attention and dynamo compiles each layer's attention apart for each shape; its
+# settings are per thread and the engines run on their own, so its default limit of 8 applies: past it, a layer's
+# attention runs uncompiled, in both engines alike.
+PADDED_ENGINES = ("plain_cb_padded", "lookahead_cb_padded")
+PADDING = {"q_padding_interval_size": 64, "kv_padding_interval_size": 256}
 # 16 requests of up to ~1000 tokens each, and room for prefill chunks beside 16 decoding requests' blocks.
 ENGINE_BLOCKS = 80
 ENGINE_BATCH_TOKENS = 1024
@@ -251,32 +259,50 @@ def _generate_open_loop(model, prompts: list[list[int]], arrivals: list[float], 
 
 def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
     """
-    Every level, `args.repeats` times, the three engines interleaved. The levels are `args.arrival_rate` (requests per
+    Every level, `args.repeats` times, the engines interleaved. The levels are `args.arrival_rate` (requests per
     second of an open loop, `_serve_open_loop`) where given, else `args.concurrency` (clients of a closed loop).
 
     Args:
-        args: the benchmark's arguments (`concurrency`, `arrival_rate`, `repeats`, `max_new_tokens`).
+        args: the benchmark's arguments (`concurrency`, `arrival_rate`, `repeats`, `max_new_tokens`,
+            `padded_engines`, `padded_backend`).
         model: the model, with lookahead enabled (`enable_lookahead`).
         tokenizer: its tokenizer.
         prompts: `(prompt_id, category, input_ids, length)` per prompt, as `Workload.prompts` gives them.
     """
-    from tqdm.auto import tqdm
-
-    ids = [item[2][0].tolist() for item in prompts]
     plain_config = engine_config(tokenizer, args.max_new_tokens, lookahead=False)
     lookahead_config = engine_config(tokenizer, args.max_new_tokens, lookahead=True)
-    configs = {"plain_cb": plain_config, "lookahead_cb": lookahead_config}
+    engines = {"plain_cb": (plain_config, {}), "lookahead_cb": (lookahead_config, {})}
+    if getattr(args, "padded_engines", False):
+        padded = padded_engine_settings(model.device, getattr(args, "padded_backend", "inductor"))
+        engines.update(plain_cb_padded=(plain_config, padded), lookahead_cb_padded=(lookahead_config, padded))
+    ids = [item[2][0].tolist() for item in prompts]
+    runs = _run_levels(args, model, ids, engines, lookahead_config, engine_config(tokenizer, 8, lookahead=True))
+    return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
+
+
+def _run_levels(
+    args, model, ids: list[list[int]], engines: dict, lookahead_config: GenerationConfig, warm_up: GenerationConfig
+) -> list[dict]:
+    """
+    The runs of `run_continuous_batching`: the warm-ups (`generate`'s with `warm_up`), then every level and repeat,
+    the engines (name: generation config and engine settings) and `generate_one_at_a_time` (with `lookahead_config`)
+    interleaved.
+    """
+    from tqdm.auto import tqdm
+
     timer = ForwardTimer(model)
-    # Warm-up: the lookahead engine measures its cost table on its first request (kept by the model's state).
-    for config in configs.values():
-        warm_up = partial(_serve_closed_loop, prompts=ids[:2], concurrency=2, max_new_tokens=8)
-        _in_own_thread(_serve_fresh_engine, model, config, warm_up)
-    _in_own_thread(_generate_closed_loop, model, ids[:1], 1, engine_config(tokenizer, 8, lookahead=True))
+    # Warm-up: the lookahead engine measures its cost table on its first request (kept by the model's state); a
+    # padded engine compiles its first shapes.
+    for config, settings in engines.values():
+        serve = partial(_serve_closed_loop, prompts=ids[:2], concurrency=2, max_new_tokens=8)
+        _in_own_thread(_serve_fresh_engine, model, config, serve, None, settings)
+    _in_own_thread(_generate_closed_loop, model, ids[:1], 1, warm_up)
     rates = getattr(args, "arrival_rate", None)
     levels = [(None, rate) for rate in rates] if rates else [(concurrency, None) for concurrency in args.concurrency]
     tokens = args.max_new_tokens
+    names = [name for name in ENGINES + PADDED_ENGINES if name in engines or name == "generate_one_at_a_time"]
     runs = []
-    progress = tqdm(total=len(levels) * args.repeats * len(ENGINES), desc="continuous batching")
+    progress = tqdm(total=len(levels) * args.repeats * len(names), desc="continuous batching")
     for concurrency, rate in levels:
         if rate is None:
             serve = partial(_serve_closed_loop, prompts=ids, concurrency=concurrency, max_new_tokens=tokens)
@@ -286,18 +312,19 @@ def run_continuous_batching(args, model, tokenizer, prompts) -> dict:
             serve = partial(_serve_open_loop, prompts=ids, arrivals=arrivals, max_new_tokens=tokens)
             one_at_a_time = partial(_generate_open_loop, model, ids, arrivals)
         for repeat in range(args.repeats):
-            for engine in ENGINES:
-                if engine == "generate_one_at_a_time":
+            for name in names:
+                if name == "generate_one_at_a_time":
                     timer.reset()
                     run = _in_own_thread(one_at_a_time, lookahead_config)
                 else:
-                    run = _in_own_thread(_serve_fresh_engine, model, configs[engine], serve, timer)
+                    config, settings = engines[name]
+                    run = _in_own_thread(_serve_fresh_engine, model, config, serve, timer, settings)
                 run.update(forward_passes=timer.calls, forward_seconds=timer.seconds)
-                level = {"engine": engine, "concurrency": concurrency, "arrival_rate": rate, "repeat": repeat}
+                level = {"engine": name, "concurrency": concurrency, "arrival_rate": rate, "repeat": repeat}
                 runs.append({**level, **run})
                 progress.update()
     progress.close()
-    return {"runs": runs, "prompt_ids": [item[0] for item in prompts]}
+    return runs
 
 
 def _in_own_thread(function, *args):
@@ -311,11 +338,23 @@ def _in_own_thread(function, *args):
         return executor.submit(function, *args).result()
 
 
-def _serve_fresh_engine(model, config: GenerationConfig, serve, timer=None) -> dict:
-    """Starts an engine for `config`, serves a workload through it (`serve(manager)`), and stops it."""
-    manager = model.init_continuous_batching(
-        config, ContinuousBatchingConfig(num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS)
+def padded_engine_settings(device: torch.device, backend: str = "inductor") -> dict:
+    """The engine settings of `PADDED_ENGINES` on `device`, compiled with `backend` off a GPU."""
+    if device.type == "cuda":
+        return {**PADDING, "use_cuda_graph": True}
+    compiled = CompileConfig(backend=backend, mode=None, fullgraph=False, dynamic=False)
+    return {**PADDING, "varlen_compile_config": compiled}
+
+
+def _serve_fresh_engine(model, config: GenerationConfig, serve, timer=None, settings: dict | None = None) -> dict:
+    """
+    Starts an engine for `config` (with the engine `settings` given), serves a workload through it
+    (`serve(manager)`), and stops it.
+    """
+    engine = ContinuousBatchingConfig(
+        num_blocks=ENGINE_BLOCKS, max_batch_tokens=ENGINE_BATCH_TOKENS, **(settings or {})
     )
+    manager = model.init_continuous_batching(config, engine)
     manager.start()
     try:
         if timer is not None:
@@ -339,6 +378,12 @@ def full_load_rate(run: dict) -> float | None:
     return sum(stamp <= until for times in run["token_times"] for stamp in times) / until
 
 
+def _engines(result: dict) -> list[str]:
+    """The engines a result's runs ran, in `ENGINES` then `PADDED_ENGINES` order."""
+    ran = {run["engine"] for run in result["runs"]}
+    return [engine for engine in ENGINES + PADDED_ENGINES if engine in ran]
+
+
 def _level(run: dict) -> tuple:
     """A run's level: `(clients, None)` for a closed loop, `(None, requests per second)` for an open one."""
     return run["concurrency"], run.get("arrival_rate")
@@ -354,7 +399,7 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
     for concurrency, rate in sorted({_level(run) for run in result["runs"]}, key=lambda level: level[0] or level[1]):
         level = [run for run in result["runs"] if _level(run) == (concurrency, rate)]
         reference = next(run["answers"] for run in level if run["engine"] == "plain_cb")
-        for engine in ENGINES:
+        for engine in _engines(result):
             runs = [run for run in level if run["engine"] == engine]
             tokens = sum(len(answer) for answer in runs[0]["answers"])
             rate_of_tokens = statistics.median(sum(len(a) for a in run["answers"]) / run["seconds"] for run in runs)
@@ -442,7 +487,7 @@ def plot_continuous_batching(rows: list[dict], path: Path) -> None:
     open_loop = any(row.get("arrival_rate") is not None for row in rows)
     level, value = ("arrival_rate", "latency_p50") if open_loop else ("concurrency", "tokens_per_s")
     figure, axis = plt.subplots(figsize=(6, 4))
-    for engine in ENGINES:
+    for engine in _engines({"runs": rows}):
         mine = [row for row in rows if row["engine"] == engine]
         axis.plot([row[level] for row in mine], [row[value] for row in mine], marker="o", label=engine)
     levels = sorted({row[level] for row in rows})

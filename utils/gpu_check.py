@@ -23,6 +23,8 @@ Checks (each prints one line; the run fails if an exactness check fails):
   what the cost table predicts, and what each launches (`torch.profiler`, the costliest kernels by name);
 - the compiled comparison: plain greedy, prompt lookup and "auto", eager and compiled with a static cache (CUDA
   graphs on a GPU), on random models of SmolLM2's and a 1B model's shape: tokens/s, the median pass, graphs captured;
+- continuous batching with padded steps captured as CUDA graphs (compiled on the CPU), plain and with lookahead,
+  beside the eager engines: fp32 tokens identical to the eager plain engine's, tokens/s, tokens per step;
 - with `--real-model`: SmolLM2-135M-Instruct in bf16 on tuning prompts, speed side by side (plain greedy, prompt
   lookup, lookahead "auto"; `utils/benchmark.py`) and departures from plain greedy beside batched greedy's
   (`--departures`). The assets come from PyPI once (`utils/assets.py`), or from a folder staged ahead with
@@ -382,6 +384,49 @@ def check_compiled_comparison(report: Report, device: torch.device) -> None:
             torch.cuda.empty_cache()
 
 
+def check_continuous_batching_graphs(report: Report, device: torch.device) -> None:
+    """
+    Continuous batching with its steps padded to the engine's intervals and captured as CUDA graphs
+    (`use_cuda_graph=True`; on the CPU, compiled with the eager backend in their place), plain and with lookahead,
+    beside the eager engines: the fp32 tokens of each against the eager plain engine's, tokens/s after a warm-up
+    call, and each lookahead request's tokens per step.
+    """
+    from transformers import CompileConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = _model("llama", device, attn="sdpa")
+    prompts = [random_prompt(length, seed=seed)[0].tolist() for seed, length in enumerate((3, 5, 9, 13, 20, 7))]
+    padded = {"q_padding_interval_size": 64, "kv_padding_interval_size": 256}
+    if device.type == "cuda":
+        padded["use_cuda_graph"] = True
+    else:
+        padded["varlen_compile_config"] = CompileConfig(backend="eager", mode=None, fullgraph=False, dynamic=False)
+    engines = {
+        "plain": ({}, "off"),
+        "plain, padded": (padded, "off"),
+        "lookahead": ({}, "auto"),
+        "lookahead, padded": (padded, "auto"),
+    }
+    expected = None
+    for name, (settings, window) in engines.items():
+        engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, **settings)
+        config = transformers.GenerationConfig(
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0, lookahead_window=window
+        )
+        model.generate_batch(prompts, config, continuous_batching_config=engine, progress_bar=False)  # warm-up
+        started = time.perf_counter()
+        out = model.generate_batch(prompts, config, continuous_batching_config=engine, progress_bar=False)
+        seconds = time.perf_counter() - started
+        tokens = {request_id: result.generated_tokens for request_id, result in out.items()}
+        expected = expected or tokens
+        details = {"tokens_per_s": round(sum(len(generated) for generated in tokens.values()) / seconds, 1)}
+        if window != "off":
+            # The first token of each request comes from its prefill.
+            steps = sum(len(result.accepted_per_step) + 1 for result in out.values())
+            details["tokens_per_step"] = round(len(prompts) * NEW_TOKENS / steps, 2)
+        report.add(f"continuous batching {name}", tokens == expected, **details)
+
+
 def check_real_model(report: Report, device: torch.device, args: argparse.Namespace) -> None:
     """SmolLM2 in bf16 through the benchmark: speed side by side, then departures from plain greedy (both caches)."""
     from utils import benchmark
@@ -437,6 +482,7 @@ CHECKS = {
     "cost_curve": check_cost_curve,
     "step_profile": check_step_profile,
     "compiled_comparison": check_compiled_comparison,
+    "continuous_batching_graphs": check_continuous_batching_graphs,
 }
 
 

@@ -144,6 +144,15 @@ def _generate_table(result: dict) -> list[str]:
     return _table(header + ["ms per pass", "host ms per pass", "text identical to greedy's"], out)
 
 
+CB_ENGINE_NAMES = {
+    "plain_cb": "plain",
+    "lookahead_cb": "lookahead",
+    "lookahead_generate": "lookahead `generate`",
+    "plain_cb_padded": "plain, padded (compiled, or CUDA graphs on a GPU)",
+    "lookahead_cb_padded": "lookahead, padded (compiled, or CUDA graphs on a GPU)",
+}
+
+
 def _continuous_batching_table(result: dict) -> list[str]:
     out = []
     for row in result["summary"]:
@@ -151,9 +160,7 @@ def _continuous_batching_table(result: dict) -> list[str]:
         out.append(
             [
                 level,
-                {"plain_cb": "plain", "lookahead_cb": "lookahead", "lookahead_generate": "lookahead `generate`"}.get(
-                    row["engine"], row["engine"]
-                ),
+                CB_ENGINE_NAMES.get(row["engine"], row["engine"]),
                 _f(row["tokens_per_s"], 1),
                 _x(row["speedup_vs_plain_cb"]),
                 _x(row.get("latency_p50_speedup_vs_plain_cb")) if row.get("arrival_rate") else "-",
@@ -475,6 +482,7 @@ _FACETS = [
     (r"--max-new-tokens (\d+)", "{} new tokens"),
     (r"--concurrency ([\d ]+)", "clients {}"),
     (r"--arrival-rate ([\d. ]+)", "Poisson arrivals at {} req/s"),
+    (r"--padded-engines", "padded engines beside the eager ones"),
     (r"--real-model", "through gpu-check --real-model"),
     (r"--context-tokens (\d+)", "{} tokens of context"),
 ]

@@ -33,6 +33,7 @@ from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
 )
+from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestState
 
 if TYPE_CHECKING:
@@ -223,6 +224,40 @@ class BatchProcessorHooks(ContinuousBatchProcessor):
     def forward_step(self, model: torch.nn.Module) -> None:
         """Runs the batch through `model` (Transformers' own step unless overridden)."""
         super()._generation_step(model)
+
+
+class ModelRunnerHooks(ModelRunner):
+    """
+    Transformers' continuous-batching `ModelRunner`, whose step function (`_forward_process_and_sample`: what the
+    engine compiles with its `varlen_compile_config` and captures as a CUDA graph with `use_cuda_graph`) a subclass
+    replaces by overriding `step_function`; `compute_batch` then runs it compiled, captured or plain as the engine
+    was configured.
+    """
+
+    def _forward_process_and_sample(
+        self,
+        model: torch.nn.Module,
+        batch_data: dict,
+        carry_over_ids: torch.Tensor,
+        prev_output_ids: torch.Tensor,
+        output_ids: torch.Tensor,
+    ) -> None:
+        self.step_function(model, batch_data)
+
+    def step_function(self, model: torch.nn.Module, batch_data: dict) -> None:
+        """One forward pass over `batch_data` (Transformers' forward, processing and sampling unless overridden)."""
+        super()._forward_process_and_sample(model, batch_data, *self.inputs_and_outputs.get_cb_kwargs())
+
+    def compile_step_function(self) -> None:
+        """Compiles `step_function` as Transformers compiled its own in `__init__` (bound before the subclass)."""
+        if self.cb_config.varlen_compile_config is not None:
+            self._compiled_varlen = torch.compile(
+                self._forward_process_and_sample, **self.cb_config.varlen_compile_config.to_dict()
+            )
+        if self.cb_config.decode_compile_config is not None:
+            self._compiled_decode = torch.compile(
+                self._forward_process_and_sample, **self.cb_config.decode_compile_config.to_dict()
+            )
 
 
 class ManagerHooks(ContinuousBatchingManager):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from .compatibility import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
     ManagerHooks,
+    ModelRunnerHooks,
     attention_implementation,
     become,
     kept_continuous_batching_manager,
@@ -124,6 +126,8 @@ class LookaheadBatching:
         cost (`StepCostModel`, *optional*): the model's step-cost table (for `"auto"`), measured before the engine
             switched the model to paged attention.
         max_batch_tokens (`int`): the engine's token budget per forward pass.
+        query_padding (`int`, *optional*): the multiple the engine pads a step's query tokens to, where it pads them
+            (compiled or captured steps): `"auto"` then prices a step as its padded length.
     """
 
     def __init__(
@@ -135,12 +139,14 @@ class LookaheadBatching:
         state: LookaheadState,
         cost: StepCostModel | None,
         max_batch_tokens: int,
+        query_padding: int | None = None,
     ):
         self.config = config
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.state = state
         self.max_batch_tokens = max_batch_tokens
+        self.query_padding = query_padding
         self.max_positions = max_positions(model)
         self.cost = cost
         self.engine_cost = None
@@ -156,7 +162,8 @@ class LookaheadBatching:
         self.step_shape: tuple[int, int, int] | None = None
         self.pricing = None
         if config.adaptive:
-            self.window_size = choose_window(cost, config.levels, tuning)
+            one_request = padded_table(cost, 1, query_padding, max_batch_tokens) if query_padding else cost
+            self.window_size = choose_window(one_request, config.levels, tuning)
             # The engine times whole steps itself (`EngineStepCost`), not through the policies' pricing.
             self.pricing = StepPricing(cost, tuning=tuning)
         else:
@@ -217,6 +224,8 @@ class LookaheadBatching:
             )
             cached = sum(lookahead.position for lookahead in lookaheads)
             engine_cost = self.engine_cost.for_batch(len(decoding), cached) if self.engine_cost else None
+            if engine_cost and self.query_padding:
+                engine_cost = padded_step_cost(engine_cost, len(decoding), self.query_padding)
             step_cost = engine_cost or self.pricing
             budget = batch_step_length(offers, step_cost, tuple(lengths or [1]))
         room = self.max_batch_tokens
@@ -237,7 +246,10 @@ class LookaheadBatching:
         if self.pricing is None or batch_size == self._batch_size:
             return
         self._batch_size = batch_size
-        self.pricing.use_table(self.cost.for_batch(batch_size))
+        table = self.cost.for_batch(batch_size)
+        if self.query_padding:
+            table = padded_table(table, batch_size, self.query_padding, self.max_batch_tokens // batch_size)
+        self.pricing.use_table(table)
 
     def unplan(self, scheduled: set[str], active: dict[str, RequestState]) -> None:
         """Puts back the pending token of the planned requests the scheduler left out of the step."""
@@ -249,7 +261,7 @@ class LookaheadBatching:
 
     # Laying out, after Transformers prepared the batch.
 
-    def lay_out(self, inputs_and_outputs: Any) -> torch.LongTensor:
+    def lay_out(self, inputs_and_outputs: Any) -> list[int]:
         """
         Writes each block's positions and mask over the batch Transformers prepared (causal blocks at consecutive
         positions), and returns the rows whose logits the step needs: every row a block verifies from, and the last
@@ -285,8 +297,9 @@ class LookaheadBatching:
             self.logits_rows[request_id] = (len(rows), len(row.logits_rows))
             rows.extend(start + index for index in row.logits_rows)
             verified += 1
-        self.step_shape = (starts[-1], max(keys[-1] for keys in key_starts.values()), verified)
-        return torch.tensor(rows, dtype=torch.long, device=io.input_ids.device)
+        # A padded step costs what its padded query does.
+        self.step_shape = (io.num_q_tokens, max(keys[-1] for keys in key_starts.values()), verified)
+        return rows
 
     def observe_step(self, seconds: float) -> None:
         """Learns the engine's cost from the step `lay_out` prepared, which took `seconds` in all."""
@@ -379,6 +392,55 @@ class LookaheadBatching:
             )
 
 
+class LookaheadModelRunner(ModelRunnerHooks):
+    """
+    Transformers' `ModelRunner` for an engine that pads its steps (a `varlen_compile_config`, or `use_cuda_graph` on
+    an accelerator): a step's logits rows are read from one index buffer and its logits written to one buffer, both
+    allocated once at the engine's token budget, so that a step of a padded shape is one compiled graph or one
+    captured CUDA graph whatever its blocks hold. The engine pads each step's query tokens to a multiple of its
+    `q_padding_interval_size` and its keys to one of `kv_padding_interval_size`; a lookahead block is query tokens
+    like any other, so those intervals are the steps' buckets. The logits buffer holds `max_batch_tokens x vocabulary`
+    values in the model's dtype.
+    """
+
+    rows: torch.LongTensor
+    logits: torch.Tensor
+
+    @classmethod
+    def adopt(cls, runner: ModelRunnerHooks, model: PreTrainedModel, max_batch_tokens: int) -> LookaheadModelRunner:
+        runner = become(runner, cls)
+        head = model.get_output_embeddings()
+        vocabulary = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+        runner.rows = torch.zeros(max_batch_tokens, dtype=torch.long, device=model.device)
+        runner.logits = torch.empty(max_batch_tokens, vocabulary, dtype=model.dtype, device=model.device)
+        runner.compile_step_function()
+        return runner
+
+    def step_function(self, model: torch.nn.Module, batch_data: dict) -> None:
+        # Rows and logits as long as the padded query, so that the shape the engine keys its graphs on fixes both;
+        # the engine's own sampling is left out: each request is verified on the host.
+        length = batch_data["input_ids"].shape[1]
+        rows = self.rows[:length]
+        if "logits_to_keep" in batch_data:
+            logits = model(**{**batch_data, "logits_to_keep": rows}).logits[0]
+        else:
+            logits = model(**batch_data).logits[0, rows]
+        self.logits[:length].copy_(logits)
+
+    def run(self, model: torch.nn.Module, batch_data: dict, rows: list[int]) -> torch.Tensor:
+        """Runs one step whose logits are needed at `rows`, and returns them."""
+        length = batch_data["input_ids"].shape[1]
+        self.rows[:length].copy_(torch.tensor(rows + [0] * (length - len(rows)), dtype=torch.long))
+        stream = self.inputs_and_outputs.compute_stream
+        if stream is not None:
+            # The engine runs the step on a stream of its own; the blocks' positions and masks and the rows were
+            # written on this one.
+            stream.wait_stream(torch.get_device_module(model.device).current_stream())
+        self.compute_batch(model, batch_data)
+        self.inputs_and_outputs.retrieve_device_outputs()
+        return self.logits[: len(rows)]
+
+
 class LookaheadBatchProcessor(BatchProcessorHooks):
     """
     Transformers' `ContinuousBatchProcessor` whose steps carry lookahead blocks (see `LookaheadBatching`). Made by
@@ -389,9 +451,14 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
     lookahead: LookaheadBatching
 
     @classmethod
-    def adopt(cls, processor: ContinuousBatchProcessor, lookahead: LookaheadBatching) -> LookaheadBatchProcessor:
+    def adopt(
+        cls, processor: ContinuousBatchProcessor, model: PreTrainedModel, lookahead: LookaheadBatching
+    ) -> LookaheadBatchProcessor:
         processor = become(processor, cls)
         processor.lookahead = lookahead
+        runner = processor.model_runner
+        if runner.pad_inputs:
+            processor.model_runner = LookaheadModelRunner.adopt(runner, model, lookahead.max_batch_tokens)
         processor.step_rows = None
         processor.step_started = 0.0
         return processor
@@ -414,14 +481,19 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
 
     @torch.no_grad()
     def forward_step(self, model: torch.nn.Module) -> None:
-        batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
         rows = self.step_rows
-        batch["logits_indices"] = rows
-        if self.model_runner.supports_logits_to_keep(model):
-            batch["logits_to_keep"] = rows
-            logits = model(**batch).logits[0]
+        if isinstance(self.model_runner, LookaheadModelRunner):
+            batch = self.inputs_and_outputs.get_model_kwargs(use_padding=True)
+            logits = self.model_runner.run(model, batch, rows)
         else:
-            logits = model(**batch).logits[0, rows]
+            batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
+            rows = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
+            batch["logits_indices"] = rows
+            if self.model_runner.supports_logits_to_keep(model):
+                batch["logits_to_keep"] = rows
+                logits = model(**batch).logits[0]
+            else:
+                logits = model(**batch).logits[0, rows]
         # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`. The
         # choices at every row reach the host in the step's one transfer.
         self.lookahead.logits = logits
@@ -469,6 +541,7 @@ class LookaheadContinuousBatchingManager(ManagerHooks):
     def adopt_processor(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
         if isinstance(processor, LookaheadBatchProcessor):
             return processor  # reused, and reset
+        runner = processor.model_runner
         lookahead = LookaheadBatching(
             self.model,
             self.lookahead_config,
@@ -477,8 +550,9 @@ class LookaheadContinuousBatchingManager(ManagerHooks):
             self.lookahead_state,
             self.lookahead_cost,
             processor.max_batch_tokens,
+            runner.cb_config.q_padding_interval_size if runner.pad_inputs else None,
         )
-        return LookaheadBatchProcessor.adopt(processor, lookahead)
+        return LookaheadBatchProcessor.adopt(processor, self.model, lookahead)
 
     def add_request(self, input_ids: list[int], *args: Any, **kwargs: Any) -> str | None:
         """
@@ -508,7 +582,9 @@ def init_continuous_batching_with_lookahead(
             `eager` attention (lookahead blocks need an explicit mask).
         generation_config (`GenerationConfig`, *optional*): as for `init_continuous_batching`.
         continuous_batching_config (`ContinuousBatchingConfig`, *optional*): as for `init_continuous_batching`;
-            lookahead runs the synchronous engine without CUDA graphs or compilation (unset, these default so).
+            lookahead runs the synchronous engine. With a `varlen_compile_config` (or `use_cuda_graph=True` on an
+            accelerator) the engine pads every step to its padding intervals and runs it compiled (or captured);
+            see `LookaheadModelRunner`.
         workload_hints (`WorkloadHints`, *optional*): as for `init_continuous_batching`.
 
     Raises:
@@ -569,10 +645,6 @@ def _lookahead_cb_config(
         problems.append(f"scheduler_type='fifo' (decoding requests scheduled first), got {cb_config.scheduler_type!r}")
     if cb_config.use_async_batching:
         problems.append("use_async_batching=False (a step's accepted tokens decide the next step's inputs)")
-    if cb_config.use_cuda_graph not in (None, False, (False, False)):
-        problems.append(f"use_cuda_graph=False (steps vary in shape), got {cb_config.use_cuda_graph!r}")
-    if cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None:
-        problems.append("no varlen_compile_config or decode_compile_config (steps vary in shape)")
     if (generation_config.num_return_sequences or 1) > 1:
         problems.append(f"num_return_sequences=1, got {generation_config.num_return_sequences}")
     if getattr(model, "tp_size", None) and model.tp_size > 1:
@@ -583,10 +655,34 @@ def _lookahead_cb_config(
             '`lookahead_window="off"` in the generation config for plain continuous batching.'
         )
     cb_config.use_async_batching = False
-    cb_config.use_cuda_graph = False
     # The stock engine would switch sdpa to a flash kernel where one is installed; those take no mask.
     cb_config.auto_switch_to_flash = False
     return cb_config
+
+
+def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval: int) -> Callable[[int], float]:
+    """
+    The cost of a step of T tokens for each of `requests` requests in an engine that pads a step's query tokens to a
+    multiple of `interval`: that of the longest length whose padded step is as long.
+    """
+
+    def cost(length: int) -> float:
+        padded = -(-requests * length // interval) * interval
+        return step_cost(max(length, padded // requests))
+
+    return cost
+
+
+def padded_table(table: StepCostModel, requests: int, interval: int, longest: int) -> StepCostModel:
+    """
+    `padded_step_cost` of a table as a table up to `longest` tokens per request, relative to a one-token step: a
+    step function, kept exact by its two lengths at each edge between paddings.
+    """
+    cost = padded_step_cost(table, requests, interval)
+    longest = max(2, longest)
+    edges = (step * interval // requests for step in range(1, longest * requests // interval + 2))
+    lengths = {1, longest} | {length for edge in edges for length in (edge, edge + 1) if 1 < length < longest}
+    return StepCostModel({length: cost(length) / cost(1) for length in lengths})
 
 
 def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:
