@@ -300,7 +300,7 @@ def _run_levels(
     rates = getattr(args, "arrival_rate", None)
     levels = [(None, rate) for rate in rates] if rates else [(concurrency, None) for concurrency in args.concurrency]
     tokens = args.max_new_tokens
-    names = [name for name in ENGINES + PADDED_ENGINES if name in engines or name == "generate_one_at_a_time"]
+    names = [*ENGINES, *(name for name in PADDED_ENGINES if name in engines)]
     runs = []
     progress = tqdm(total=len(levels) * args.repeats * len(names), desc="continuous batching")
     for concurrency, rate in levels:

@@ -392,6 +392,13 @@ class LookaheadBatching:
             )
 
 
+def logits_at(model: torch.nn.Module, batch: dict, rows: torch.LongTensor, keep: bool) -> torch.Tensor:
+    """A step's logits at `rows`, computed only there where the model takes `logits_to_keep` (`keep`)."""
+    if keep:
+        return model(**{**batch, "logits_to_keep": rows}).logits[0]
+    return model(**batch).logits[0, rows]
+
+
 class LookaheadModelRunner(ModelRunnerHooks):
     """
     Transformers' `ModelRunner` for an engine that pads its steps (a `varlen_compile_config`, or `use_cuda_graph` on
@@ -420,12 +427,7 @@ class LookaheadModelRunner(ModelRunnerHooks):
         # Rows and logits as long as the padded query, so that the shape the engine keys its graphs on fixes both;
         # the engine's own sampling is left out: each request is verified on the host.
         length = batch_data["input_ids"].shape[1]
-        rows = self.rows[:length]
-        if "logits_to_keep" in batch_data:
-            logits = model(**{**batch_data, "logits_to_keep": rows}).logits[0]
-        else:
-            logits = model(**batch_data).logits[0, rows]
-        self.logits[:length].copy_(logits)
+        self.logits[:length].copy_(logits_at(model, batch_data, self.rows[:length], "logits_to_keep" in batch_data))
 
     def run(self, model: torch.nn.Module, batch_data: dict, rows: list[int]) -> torch.Tensor:
         """Runs one step whose logits are needed at `rows`, and returns them."""
@@ -489,11 +491,7 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
             batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
             rows = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
             batch["logits_indices"] = rows
-            if self.model_runner.supports_logits_to_keep(model):
-                batch["logits_to_keep"] = rows
-                logits = model(**batch).logits[0]
-            else:
-                logits = model(**batch).logits[0, rows]
+            logits = logits_at(model, batch, rows, self.model_runner.supports_logits_to_keep(model))
         # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`. The
         # choices at every row reach the host in the step's one transfer.
         self.lookahead.logits = logits
