@@ -38,13 +38,16 @@ from utils.cb_benchmark import (
 from utils.faithfulness import (
     DEPARTURE_METHODS,
     STATIC_CACHE_ROOM,
+    DEPARTURE_SIGNIFICANCE,
     _batch_pair,
+    divergence_sources,
     _step_offset,
     first_departure,
     format_departures_table,
     greedy_margins,
     near_tie_tolerance,
     off_greedy_positions,
+    paired_departure_test,
     run_departures,
     summarize_departures,
 )
@@ -385,6 +388,74 @@ class DeparturesTest(unittest.TestCase):
         self.assertEqual([_batch_pair(index, 5) for index in range(5)], [(0, 1), (0, 1), (2, 3), (2, 3), (0, 4)])
         self.assertEqual([_batch_pair(index, 4) for index in range(4)], [(0, 1), (0, 1), (2, 3), (2, 3)])
         self.assertEqual(_batch_pair(0, 1), (0, 0), "a prompt alone is batched with itself")
+
+    @parameterized.expand(
+        [
+            # (prompts only the method departed on, only the baseline, both, neither, p-value)
+            ("no_discordant_prompt", 0, 0, 5, 3, 1.0),
+            ("five_to_none", 5, 0, 2, 1, 1 / 32),
+            ("six_to_one", 6, 1, 0, 0, 8 / 128),
+            ("even", 3, 3, 1, 1, 42 / 64),
+            ("fewer", 0, 4, 0, 0, 1.0),
+        ]
+    )
+    def test_paired_departure_test(self, _, only_method, only_baseline, both, neither, p_value):
+        kinds = [(3, None)] * only_method + [(None, 3)] * only_baseline + [(3, 4)] * both + [(None, None)] * neither
+        result = {"prompts": [{"departures": {"lookahead_auto": m, "batched_greedy": b}} for m, b in kinds]}
+        test = paired_departure_test(result, "lookahead_auto")
+        self.assertEqual((test["only_method"], test["only_baseline"]), (only_method, only_baseline))
+        self.assertAlmostEqual(test["p_value"], p_value)
+
+    def test_departing_far_more_often_than_batched_greedy_is_significant(self):
+        # 9 of 16 against 7 (the count the old assertion compared) is noise; 9 against 1 on the same prompts is not.
+        noise = [(3, 3)] * 6 + [(3, None)] * 3 + [(None, 3)] * 1 + [(None, None)] * 6
+        shift = [(3, None)] * 8 + [(3, 3)] * 1 + [(None, None)] * 7
+        for kinds, significant in ((noise, False), (shift, True)):
+            result = {"prompts": [{"departures": {"lookahead_auto": m, "batched_greedy": b}} for m, b in kinds]}
+            rows = summarize_departures({**result, "methods": ["batched_greedy", "lookahead_auto"]})
+            self.assertNotIn("versus_batched", rows[0], "the baseline is not tested against itself")
+            self.assertEqual(rows[1]["versus_batched"]["p_value"] < DEPARTURE_SIGNIFICANCE, significant, rows[1])
+
+    def test_divergence_sources_name_the_module_that_computes_a_row_otherwise(self):
+        model = tiny_model("llama")
+        model.set_attn_implementation("eager")
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                # Every product one row at a time, as in a one-token pass: nothing else sums in another order here.
+                module.register_forward_hook(
+                    lambda linear, args, out: torch.cat(
+                        [torch.nn.functional.linear(row, linear.weight, linear.bias) for row in args[0].split(1, 1)], 1
+                    )
+                )
+        prompts = [random_prompt(length, seed=seed) for seed, length in enumerate((9, 12, 3))]
+        attention = model.model.layers[1].self_attn
+        self.assertEqual(
+            divergence_sources(model, prompts, block=4),
+            {"block": 4, "rows": 8, "rows_differing": 0, "sources": {}},
+            "the prompt of 3 tokens is left out; the others' rows are exact",
+        )
+
+        def nudge(tensor):
+            # Only a pass over several tokens is changed, as a kernel with its own path for several rows would be.
+            return tensor + 1e-3 if tensor.shape[1] > 1 else tensor
+
+        for name, register in (
+            (
+                "model.layers.*.self_attn.q_proj",
+                lambda: attention.q_proj.register_forward_hook(lambda m, a, o: nudge(o)),
+            ),
+            (
+                "before model.layers.*.self_attn.o_proj",
+                lambda: attention.o_proj.register_forward_pre_hook(lambda m, args: (nudge(args[0]),)),
+            ),
+        ):
+            hook = register()
+            try:
+                for cache in ("dynamic", "static"):
+                    found = divergence_sources(model, prompts, block=4, cache=cache)
+                    self.assertEqual(found, {"block": 4, "rows": 8, "rows_differing": 8, "sources": {name: 8}})
+            finally:
+                hook.remove()
 
     def test_where_a_token_sits_in_its_step(self):
         steps = (1, 3, 2)  # after the prefill's token 0: [1], [2, 3, 4], [5, 6]

@@ -158,8 +158,9 @@ class HalfPrecisionDepartures:
     """
     Every token lookahead generates in half precision is a near-tie of plain greedy's choice along the same text
     (`utils.faithfulness`), as every token of plain greedy inside a left-padded batch of two is (what a batching
-    server does to a request). How often the texts depart is measured, and asserted only where the docs say so
-    (Exactness).
+    server does to a request). How often texts depart follows the CPU's bf16 kernels (docs: Exactness), so it is
+    asserted as a paired test against that batched baseline on the same prompts, whatever the CPU: lookahead must
+    not depart significantly more often (`paired_departure_test`, one-sided, `DEPARTURE_SIGNIFICANCE`).
     """
 
     # The bfloat16 cost curve measured on the development CPU (issue 19; 2 threads): fixed, and the policy's learning
@@ -171,8 +172,8 @@ class HalfPrecisionDepartures:
         "lookahead_auto": {"lookahead_window": "auto", "lookahead_memory": False},
         "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
     }
-    # Eight tuning prompts of each dataset.
-    PROMPTS = {"mt_bench": list(range(8)), "humaneval": list(range(8))}
+    # Twelve tuning prompts of each dataset.
+    PROMPTS = {"mt_bench": list(range(12)), "humaneval": list(range(12))}
 
     def _departures(
         self,
@@ -206,30 +207,32 @@ class HalfPrecisionDepartures:
                 self.assertEqual(rows[method]["off_greedy_tokens"], 0, rows[method])
         return rows
 
+    def assert_departs_no_more_often_than_batched_greedy(self, rows: dict[str, dict]) -> None:
+        from utils.faithfulness import DEPARTURE_SIGNIFICANCE
+
+        # Tokens are checked from a text's first departure on (before it they are plain greedy's own): the batched
+        # baseline departs in bfloat16 on every CPU measured, so the near-tie check runs on real departures.
+        self.assertGreater(rows["batched_greedy"]["departed"], 0, rows)
+        for method, row in rows.items():
+            if method != "batched_greedy":
+                with self.subTest(method=method):
+                    self.assertGreaterEqual(row["versus_batched"]["p_value"], DEPARTURE_SIGNIFICANCE, rows)
+
 
 @slow
 @pytest.mark.long_running
 class SmolLM2Bfloat16Test(HalfPrecisionDepartures, unittest.TestCase):
-    """bfloat16 with the default dynamic cache: lookahead departs on a few more prompts than the batched baseline."""
-
-    def test_every_token_a_near_tie_of_plain_greedy(self):
-        rows = self._departures("bfloat16", self.PROMPTS)
-        # Tokens are checked from a text's first departure on (before it they are plain greedy's own); the batched
-        # baseline departs in bfloat16, so the check runs on real departures.
-        self.assertGreater(rows["batched_greedy"]["departed"], 0, rows)
+    def test_every_token_a_near_tie_departing_no_more_often_than_batched_greedy(self):
+        self.assert_departs_no_more_often_than_batched_greedy(self._departures("bfloat16", self.PROMPTS))
 
 
 @slow
 @pytest.mark.long_running
 class SmolLM2Bfloat16StaticCacheTest(HalfPrecisionDepartures, unittest.TestCase):
     def test_static_cache_departs_no_more_often_than_batched_greedy(self):
-        # With a static cache every pass of a call, of one token or of a step, attends over the same key slots, so a
-        # step's row reduces as a one-token pass does far more often: "auto" departs on fewer prompts than the
-        # batched baseline here (docs: Exactness, "A static cache in half precision").
         methods = {name: self.METHODS[name] for name in ("batched_greedy", "lookahead_auto")}
         rows = self._departures("bfloat16", self.PROMPTS, cache="static", methods=methods)
-        self.assertGreater(rows["batched_greedy"]["departed"], 0, rows)
-        self.assertLessEqual(rows["lookahead_auto"]["departed"], rows["batched_greedy"]["departed"], rows)
+        self.assert_departs_no_more_often_than_batched_greedy(rows)
 
 
 @slow

@@ -10,6 +10,8 @@ several rows) reduces in another order than a one-token pass, so near-ties can b
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 
 import torch
@@ -151,8 +153,9 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
     by two, see `_batch_pair`), and the first position where each departs from plain greedy within
     `args.max_new_tokens`. Also, per departure, plain greedy's margin between its two best logits at that position
     (how near a tie it was) and, for lookahead, where in its step the departing token was chosen (`_step_offset`);
-    and plain greedy's margins at every position, to compare with. Everything decodes with
-    `args.cache_implementation` (`"dynamic"` when absent).
+    and plain greedy's margins at every position, to compare with; and, on the first prompts, which modules make a
+    pass over several tokens compute rows otherwise than one-token passes (`divergence_sources`). Everything decodes
+    with `args.cache_implementation` (`"dynamic"` when absent).
 
     Args:
         prompts (`list`): `(prompt_id, category, input_ids, prompt_length)` as the benchmark builds them.
@@ -218,6 +221,7 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "cache": cache,
+        "divergence": divergence_sources(model, [ids for _, _, ids, _ in prompts[:DIVERGENCE_PROMPTS]], cache=cache),
     }
 
 
@@ -257,11 +261,119 @@ def _off_greedy_count(
     return len(off_greedy_positions(margins, scales, model.dtype))
 
 
+# Prompts whose rows `run_departures` traces to the module that first computes them otherwise (`divergence_sources`).
+DIVERGENCE_PROMPTS = 4
+
+
+def divergence_sources(model, prompts: list[torch.LongTensor], block: int = 6, cache: str = "dynamic") -> dict:
+    """
+    Where in the model a pass over several tokens first computes a row otherwise than a one-token pass does: each
+    prompt's last `block` tokens are fed once as one pass and once one token per pass, after the same prefix and
+    cache, and for every row the first module (in the order modules finish) whose output differs is found. A module
+    whose input was still equal computed the difference itself (a reduction of its own, e.g. a matrix product that
+    sums in another order for several rows); one whose input differed already got it from the code that runs between
+    modules (`"before o_proj"`: the attention kernel). Layers are counted together (`model.layers.*.mlp.down_proj`).
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model.
+        prompts (`list[torch.LongTensor]`): `(1, length)` token ids; those not longer than `block` are left out.
+        block (`int`, *optional*): tokens fed at once, as a lookahead step feeds them.
+        cache (`str`, *optional*): `"dynamic"` or `"static"`.
+
+    Returns:
+        `dict` with `rows` (rows compared), `rows_differing` (rows whose logits differ in any bit) and `sources`
+        (source -> rows it was the first difference of).
+    """
+    from transformers import DynamicCache, StaticCache
+
+    calls: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+
+    def record(name):
+        def hook(module, args, output):
+            output = output[0] if isinstance(output, tuple) else output
+            if isinstance(output, torch.Tensor) and output.dim() >= 2:
+                first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                calls.append((name, None if first is None else first.detach().clone(), output.detach().clone()))
+
+        return hook
+
+    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    sources: dict[str, int] = {}
+    rows = rows_differing = 0
+    try:
+        for ids in (ids for ids in prompts if ids.shape[1] > block):
+            prefix, tail = ids[:, :-block], ids[:, -block:]
+            passes = []
+            for widths in ((block,), (1,) * block):
+                if cache == "static":
+                    past = StaticCache(config=model.config, max_cache_len=ids.shape[1])
+                else:
+                    past = DynamicCache(config=model.config)
+                with torch.no_grad():
+                    model(prefix, past_key_values=past, use_cache=True)
+                    calls.clear()
+                    start = 0
+                    for width in widths:
+                        model(tail[:, start : start + width], past_key_values=past, use_cache=True)
+                        start += width
+                passes.append(list(calls))
+            many, single = passes[0], passes[1]
+            per_pass = len(many)
+            for row in range(block):
+                rows += 1
+                one = single[row * per_pass : (row + 1) * per_pass]
+                rows_differing += not torch.equal(many[-1][2][:, row], one[-1][2][:, 0])
+                for (name, inputs, output), (_, one_inputs, one_output) in zip(many, one):
+                    if not torch.equal(output[:, row], one_output[:, 0]):
+                        same_input = inputs is not None and torch.equal(inputs[:, row], one_inputs[:, 0])
+                        source = re.sub(r"\.\d+\.", ".*.", name)
+                        source = source if same_input else f"before {source}"
+                        sources[source] = sources.get(source, 0) + 1
+                        break
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"block": block, "rows": rows, "rows_differing": rows_differing, "sources": dict(sorted(sources.items()))}
+
+
+# The one-sided significance below which `paired_departure_test` finds that a method departs more often than the
+# batched baseline: the half-precision promise fails only then.
+DEPARTURE_SIGNIFICANCE = 0.05
+DEPARTURE_BASELINE = "batched_greedy"
+
+
+def paired_departure_test(result: dict, method: str, baseline: str = DEPARTURE_BASELINE) -> dict:
+    """
+    Whether `method` departs from plain greedy more often than `baseline` on the same prompts: an exact one-sided
+    McNemar (sign) test. Prompts where both or neither departed say nothing about which departs more; on the others,
+    if `method` departed no more often than `baseline`, each is at most a coin flip for `method`, so the p-value is
+    the chance that a fair coin gives at least as many prompts to `method` as it got.
+
+    Args:
+        result (`dict`): what `run_departures` returned (its per-prompt `departures` of both methods).
+        method (`str`): the method tested.
+        baseline (`str`, *optional*): the method it is compared with, by default the batched baseline.
+
+    Returns:
+        `dict` with `only_method` and `only_baseline` (prompts that only one of them departed on) and `p_value`.
+    """
+    only_method = only_baseline = 0
+    for entry in result["prompts"]:
+        method_departed = entry["departures"][method] is not None
+        baseline_departed = entry["departures"][baseline] is not None
+        only_method += method_departed and not baseline_departed
+        only_baseline += baseline_departed and not method_departed
+    discordant = only_method + only_baseline
+    tail = sum(math.comb(discordant, count) for count in range(only_method, discordant + 1))
+    return {"only_method": only_method, "only_baseline": only_baseline, "p_value": tail / 2**discordant}
+
+
 def summarize_departures(result: dict) -> list[dict]:
     """
     Per method: prompts departed, the median and earliest first departure, plain greedy's median top-2 logit margin
     at the departures (beside its median over every position), how many departing tokens were the first of their
-    lookahead step, and (lookahead) the tokens per forward pass, prefill included.
+    lookahead step, (lookahead) the tokens per forward pass, prefill included, and where the batched baseline ran
+    too, `paired_departure_test` against it.
     """
     everywhere = [margin for entry in result["prompts"] for margin in entry.get("margins", [])]
     rows = []
@@ -286,6 +398,8 @@ def summarize_departures(result: dict) -> list[dict]:
                 "tokens_per_forward": round(sum(count[0] for count in counts) / passes, 2) if passes else None,
             }
         )
+        if method != DEPARTURE_BASELINE and DEPARTURE_BASELINE in result.get("methods", DEPARTURE_METHODS):
+            rows[-1]["versus_batched"] = paired_departure_test(result, method)
     return rows
 
 
@@ -295,20 +409,30 @@ def format_departures_table(rows: list[dict], result: dict) -> str:
         f"{result.get('cache', 'dynamic')} cache; batched_greedy is the prompt in a left-padded batch of two)",
         "",
         "| method | prompts departed | median first departure | earliest | plain's top-2 margin there | first of "
-        "its step | tokens no near-tie of plain greedy | tok/forward |",
-        "|---|---|---|---|---|---|---|---|",
+        "its step | tokens no near-tie of plain greedy | tok/forward | departed alone / batched alone (p) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['method']} | {row['departed']} / {row['prompts']} | {row['median_first_departure']} | "
             f"{row['earliest_departure']} | {row['median_margin_at_departure']} | {row['first_of_step']} | "
-            f"{row['off_greedy_tokens']} | {row['tokens_per_forward'] or '-'} |"
+            f"{row['off_greedy_tokens']} | {row['tokens_per_forward'] or '-'} | {format_paired_test(row)} |"
         )
     if rows:
         lines.append("")
         lines.append(
             f"Plain greedy's median top-2 logit margin over every position: {rows[0]['median_margin_everywhere']}. "
             "A token is a near-tie when plain greedy, decoding the method's text one token per pass, ranks it within "
-            f"{NEAR_TIE_UNITS:g} units of the dtype's precision (times the largest logit) of its best."
+            f"{NEAR_TIE_UNITS:g} units of the dtype's precision (times the largest logit) of its best. p: the one-sided "
+            "paired test that the method departs more often than the batched baseline (`paired_departure_test`); "
+            f"below {DEPARTURE_SIGNIFICANCE:g} it does."
         )
     return "\n".join(lines)
+
+
+def format_paired_test(row: dict) -> str:
+    """`paired_departure_test`'s counts and p-value in a summary row, `-` where it did not run."""
+    test = row.get("versus_batched")
+    if test is None:
+        return "-"
+    return f"{test['only_method']} / {test['only_baseline']} (p={test['p_value']:.2g})"

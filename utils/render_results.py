@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Run as a script (`python utils/render_results.py`), the repository root is not on the path: the departures table
+# computes its paired test with `utils.faithfulness`.
+sys.path.insert(0, str(ROOT))
 RESULTS_DIR = ROOT / "docs" / "source" / "en" / "benchmarks"
 PAGE = ROOT / "docs" / "source" / "en" / "results.md"
 README = ROOT / "README.md"
@@ -173,11 +176,25 @@ def _continuous_batching_table(result: dict) -> list[str]:
 
 
 def _departures_table(result: dict) -> list[str]:
-    rows = [
-        [_method(r["method"]), f"{r['departed']}/{r['prompts']}", _f(r.get("tokens_per_forward"))]
-        for r in result["summary"]
-    ]
-    return _table(["method", "prompts whose text departed from plain greedy's", "tok/forward"], rows)
+    # Computed from the per-prompt departures, so that runs recorded before the test existed show it too.
+    from utils.faithfulness import DEPARTURE_BASELINE, format_paired_test, paired_departure_test
+
+    rows = []
+    for r in result["summary"]:
+        test = None if r["method"] == DEPARTURE_BASELINE else paired_departure_test(result, r["method"])
+        paired = format_paired_test({"versus_batched": test})
+        rows.append([_method(r["method"]), f"{r['departed']}/{r['prompts']}", paired, _f(r.get("tokens_per_forward"))])
+    header = ["method", "prompts whose text departed from plain greedy's", "departed alone / batched alone (p)"]
+    lines = _table([*header, "tok/forward"], rows)
+    divergence = result.get("divergence")
+    if divergence:
+        sources = ", ".join(f"`{source}` {count}" for source, count in divergence["sources"].items())
+        lines += [
+            "",
+            f"Rows of a {divergence['block']}-token pass whose logits differ from one-token passes' in any bit: "
+            f"{divergence['rows_differing']}/{divergence['rows']}; where each row first differs: {sources}.",
+        ]
+    return lines
 
 
 def _quality_table(result: dict) -> list[str]:
@@ -384,7 +401,10 @@ KINDS = [
     Kind(
         "Departures in half precision",
         "How many prompts' texts depart from plain one-at-a-time greedy's in bf16/fp16 (`--departures`); every "
-        "token is checked to be a near-tie of plain greedy's choice.",
+        "token is checked to be a near-tie of plain greedy's choice. How often texts depart depends on the CPU's bf16 "
+        "kernels, so each run names its CPU. The paired column counts the prompts only the method or only greedy in a "
+        "batch of two departed on, and p is the one-sided chance of a split at least that uneven if the method "
+        "departed no more often (below 0.05 it departs more often).",
         lambda r: "departed" in _summary_keys(r),
         _departures_table,
     ),
