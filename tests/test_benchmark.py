@@ -37,11 +37,11 @@ from utils.cb_benchmark import (
 )
 from utils.faithfulness import (
     DEPARTURE_METHODS,
-    STATIC_CACHE_ROOM,
     DEPARTURE_SIGNIFICANCE,
+    STATIC_CACHE_ROOM,
     _batch_pair,
-    divergence_sources,
     _step_offset,
+    divergence_sources,
     first_departure,
     format_departures_table,
     greedy_margins,

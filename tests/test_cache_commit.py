@@ -211,12 +211,15 @@ class EntryMovesTest(unittest.TestCase):
             ("one_row_distant_run", [[0, 6, 7]]),
             ("one_row_several_runs", [[0, 3, 5, 6]]),
             ("two_rows", [[0, 3, 4], [0, 1, 1]]),
+            # Multi-head latent attention (DeepSeek-V3): keys and values of different head sizes.
+            ("one_row_other_value_size", [[0, 2, 3, 4]], 6),
+            ("two_rows_other_value_size", [[0, 3, 4], [0, 1, 1]], 6),
         ]
     )
-    def test_moves_match_indexing(self, _, index):
+    def test_moves_match_indexing(self, _, index, value_size=4):
         start, generator = 2, torch.Generator().manual_seed(0)
         keys = torch.randn(len(index), 3, 12, 4, generator=generator)
-        values = torch.randn(len(index), 3, 12, 4, generator=generator)
+        values = torch.randn(len(index), 3, 12, value_size, generator=generator)
         layer = SimpleNamespace(keys=keys.clone(), values=values.clone())
         EntryMoves(index).apply(layer, start)
         for expected, moved in ((keys, layer.keys), (values, layer.values)):

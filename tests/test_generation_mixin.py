@@ -187,3 +187,34 @@ class PropertyTest(unittest.TestCase):
             lookahead_cache_commit=commit,
         )
         self.assertTrue(torch.equal(out, expected))
+
+
+class ModelCacheTest(unittest.TestCase):
+    """What `generate` gives a model for its cache, decided before any forward pass."""
+
+    def test_a_model_generate_gives_no_cache_is_refused_by_name(self):
+        from transformers import RwkvConfig, RwkvForCausalLM
+
+        torch.manual_seed(0)
+        config = RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32)
+        model = enable_lookahead(RwkvForCausalLM(config).eval())
+        passes = []
+        model.register_forward_hook(lambda *args: passes.append(1))
+        with self.assertRaisesRegex(ValueError, "RwkvForCausalLM keeps its decoding state outside .*`Cache`"):
+            model.generate(random_prompt(8), max_new_tokens=6, do_sample=False, lookahead_window=4)
+        self.assertEqual(passes, [], "refused before the first forward pass")
+
+    def test_use_cache_off_in_the_model_config_is_turned_on_unless_the_user_asks(self):
+        # As MPT's config ships it.
+        model = tiny_model("llama")
+        model.config.use_cache = False
+        model.generation_config = GenerationConfig.from_model_config(model.config)
+        self.assertFalse(model.generation_config.use_cache)
+        model = enable_lookahead(model)
+        prompt = random_prompt(10)
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=12, do_sample=False, lookahead_window=4)
+        self.assertTrue(torch.equal(out, expected))
+        for asked in ({"use_cache": False}, {"generation_config": GenerationConfig(use_cache=False)}):
+            with self.subTest(asked=asked), self.assertRaisesRegex(ValueError, "needs `use_cache=True`"):
+                model.generate(prompt, max_new_tokens=12, do_sample=False, lookahead_window=4, **asked)

@@ -45,6 +45,7 @@ STRATEGY_MODULES = {
     "ngram_pool",
     "rank_sync",
     "sequence_lookahead",
+    "step_check",
     "step_forward",
     "step_layout",
     "step_policy",

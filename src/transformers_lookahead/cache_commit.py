@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
 from .compatibility import (
@@ -45,14 +45,34 @@ class EntryMoves:
             layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
             layer.values.index_copy_(2, target, layer.values.index_select(2, source))
             return
-        shape = (*layer.keys.shape[:2], self.width, layer.keys.shape[-1])
-        if shape not in self._placed:
-            self._placed[shape] = (torch.tensor(self.index, device=device)[:, None, :, None].expand(shape),)
-        (source,) = self._placed[shape]
-        keys = torch.gather(layer.keys[:, :, start:], 2, source)
-        values = torch.gather(layer.values[:, :, start:], 2, source)
-        layer.keys[:, :, start : start + self.width] = keys
-        layer.values[:, :, start : start + self.width] = values
+        # Keys and values each by their own shape: they differ in head size under multi-head latent attention.
+        for tensor in (layer.keys, layer.values):
+            shape = (*tensor.shape[:2], self.width, tensor.shape[-1])
+            if shape not in self._placed:
+                self._placed[shape] = (torch.tensor(self.index, device=device)[:, None, :, None].expand(shape),)
+            (source,) = self._placed[shape]
+            tensor[:, :, start : start + self.width] = torch.gather(tensor[:, :, start:], 2, source)
+
+
+def unsupported_layer_message(owner: str, cache: Cache, layer: CacheLayerMixin) -> str:
+    """Why a cache layer of `owner`'s cannot be rolled back after a step, and what its user can do."""
+    kind = type(layer).__name__
+    if "LinearAttention" in kind:
+        why = (
+            "linear-attention or state-space layers keep one running state instead of an entry per token, so a "
+            "step's branches cannot sit side by side in one pass and its rejected tokens cannot be dropped"
+        )
+    elif kind == "DummyLayer":
+        why = "these layers read another layer's keys and values instead of keeping their own"
+    else:
+        why = "lookahead drops the entries of the tokens a step does not accept, and these layers cannot drop them"
+    if type(cache) is DynamicCache:
+        # The cache `generate` builds by default: no other cache would give this model other layers.
+        remedy = "Lookahead decoding is not available for this model yet; remove the `lookahead_*` settings."
+    else:
+        names = tuple(rollback.__name__ for rollback in ROLLBACK_LAYERS)
+        remedy = f'Use a cache whose layers are one of {names}: `DynamicCache` (the default) or `cache_implementation="static"`.'
+    return f"`{owner}` keeps {kind} layers in its {type(cache).__name__}: {why}. {remedy}"
 
 
 class CacheCommitter:
@@ -72,9 +92,10 @@ class CacheCommitter:
     Args:
         cache (`Cache`): a cache whose layers are among `ROLLBACK_LAYERS`.
         strategy (`str`): `"gather"` or `"refeed"`.
+        owner (`str`, *optional*): the model's class name, for the errors.
     """
 
-    def __init__(self, cache: Cache, strategy: str = "gather"):
+    def __init__(self, cache: Cache, strategy: str = "gather", owner: str = "The model"):
         if strategy not in CACHE_COMMIT_STRATEGIES:
             raise ValueError(f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {strategy!r}.")
         for layer in cache.layers:
@@ -86,13 +107,7 @@ class CacheCommitter:
                     "generation outgrows its window. Use the default dynamic cache for this model, or keep "
                     "prompt + `max_new_tokens` within the window."
                 )
-            names = tuple(kind.__name__ for kind in ROLLBACK_LAYERS)
-            raise ValueError(
-                f"Lookahead decoding rolls the cache back after every step; {type(cache).__name__} has "
-                f"{type(layer).__name__} layers, which cannot be rolled back. Use a cache whose layers are one of "
-                f"{names}: "
-                '`DynamicCache` (the default) or `cache_implementation="static"`.'
-            )
+            raise ValueError(unsupported_layer_message(owner, cache, layer))
         self.cache = cache
         self.strategy = strategy
         self.is_static = any(isinstance(layer, StaticLayer) for layer in cache.layers)

@@ -330,6 +330,13 @@ def validate_lookahead_setup(
             "Lookahead decoding keeps the accepted tokens in the KV cache and needs `use_cache=True`; "
             "got `use_cache=False`."
         )
+    if model_kwargs.get("cache") is None:
+        raise ValueError(
+            f"{type(model).__name__} keeps its decoding state outside Transformers' `Cache` classes (`generate` "
+            "prepares no cache for it), so a lookahead step could not roll back the tokens it does not keep. "
+            "Lookahead decoding is not available for this architecture yet: remove the `lookahead_*` settings to "
+            "decode as usual."
+        )
     check_cache_implementation(generation_config.cache_implementation)
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(

@@ -596,12 +596,14 @@ def init_continuous_batching_with_lookahead(
         return stock(generation_config, continuous_batching_config, workload_hints)
     cb_config = _lookahead_cb_config(model, generation, continuous_batching_config)
     state = getattr(model, "lookahead_state", None) or LookaheadState()
-    # Measured while the model still runs its own attention backend (the engine switches `eager` to paged eager), and
-    # in a thread that ends: on a CPU, torch's OpenMP workers stay with the thread that ran the passes and would
+    # Checked and measured while the model still runs its own attention backend (the engine switches `eager` to paged
+    # eager), and in a thread that ends: on a CPU, torch's OpenMP workers stay with the thread that ran the passes and would
     # compete with the engine's own.
     cost = None
-    if config.adaptive:
-        with ThreadPoolExecutor(max_workers=1) as measuring:
+    with ThreadPoolExecutor(max_workers=1) as measuring:
+        # A model that does not compute steps as plain decoding does is refused before the engine starts.
+        measuring.submit(state.step_check.refuse_if_failing, model).result()
+        if config.adaptive:
             cost = measuring.submit(state.cost_model, model).result()
     manager = stock(generation_config, cb_config, workload_hints)
     # The stock constructor resolves the engine's settings and switches the attention backend; the lookahead

@@ -95,6 +95,12 @@ def generate_with_lookahead(
     # `generate` builds the cache before handing over, and fails on some caches (e.g. quantized ones without their
     # backend installed) with errors unrelated to lookahead: check the setting first.
     check_cache_implementation(first_set("cache_implementation", *sources))
+    # A `use_cache=False` that came from the model's own config (MPT's default), not from the user, is turned on, as
+    # `generate` would for a user who asked for the cache: lookahead keeps its accepted tokens there.
+    model_config = getattr(model, "generation_config", None)
+    if first_set("use_cache", kwargs, generation_config) is None and is_from_model_config(model_config):
+        if model_config.use_cache is False:
+            kwargs["use_cache"] = True
     _reserve_static_cache_room(model, inputs, sources, kwargs, config.max_step_length())
     _bind_stop_strings(first_set("stop_strings", *sources), kwargs)
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the

@@ -22,7 +22,7 @@ from .cost_model import COST_GRID, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
-from .step_forward import StepForward, max_positions, select_rows
+from .step_forward import StepForward, max_positions, numbers_positions_by_slot, select_rows
 from .step_layout import RowStep, StepLayout
 from .step_policy import (
     PolicyEstimates,
@@ -175,11 +175,17 @@ def generate(
         logits_processor,
         stopping_criteria,
         generation_config,
-        CacheCommitter(forward.decoder_cache, config.cache_commit),
+        CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__),
         forward,
         input_ids.shape[0],
         lookahead_state,
     )
+    if not model.config.is_encoder_decoder:
+        # After the cache's own checks (the committer's), before the prefill: refused models run no pass of the call.
+        attention_mask = model_kwargs.get("attention_mask")
+        # A model numbering positions by slot decodes a padded row otherwise than the row alone, as steps do too.
+        padded = attention_mask is not None and not numbers_positions_by_slot(model) and not bool(attention_mask.all())
+        lookahead_state.step_check.refuse_if_failing(model, padded)
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
 
@@ -240,6 +246,12 @@ class SequenceState(SequenceLookahead):
         self.done = False
         self.scores: list[torch.Tensor] = []
         self.raw_logits: list[torch.Tensor] = []
+        # Where the model numbers positions by cache slot, the row's left padding counts (`LookaheadDecoder`).
+        self.position_offset = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens) - 1 + self.position_offset
 
     @property
     def length(self) -> int:
@@ -368,6 +380,7 @@ class LookaheadDecoder:
             self.pricing = None
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = max_positions(model)
+        self.positions_by_slot = numbers_positions_by_slot(model)
         return_dict = generation_config.return_dict_in_generate
         self.keep_scores = return_dict and generation_config.output_scores
         self.keep_logits = return_dict and generation_config.output_logits
@@ -485,6 +498,7 @@ class LookaheadDecoder:
         for index in range(input_ids.shape[0]):
             row = input_ids[index : index + 1]
             tokens = row[0].tolist() if slot_valid is None else row[0, slot_valid[index]].tolist()
+            padding = row.shape[1] - len(tokens)
             limit = self.generation_config.max_length
             text = SequenceText(row, tokens, limit)
             appended = text.length < limit
@@ -495,6 +509,8 @@ class LookaheadDecoder:
             if noises is not None:
                 verifier = SamplingVerifier(processors[index], noises[index])
             sequence = self._new_sequence(index, text, limit, verifier)
+            if self.positions_by_slot:
+                sequence.position_offset = padding
             if appended:
                 self._record(sequence, first[index : index + 1], first_scores[index : index + 1])
             sequences.append(sequence)

@@ -11,6 +11,7 @@ from .auto_tuning import AUTO_TUNING, AutoTuning
 from .configuration_lookahead import DEFAULT_MEMORY_NAMESPACE, DEFAULT_MEMORY_SIZE, NAMESPACE_PATTERN
 from .cost_measurement import default_cost_dir, load_or_measure, model_key
 from .cost_model import StepCostModel
+from .step_check import StepCheck
 from .suffix_memory import SuffixMemory, vocabulary_key
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class LookaheadState:
         self._estimates: dict[tuple, PolicyEstimates] = {}
         self._engine_steps: dict[str, tuple[tuple[float, ...], ...]] = {}
         self._memories: dict[str, SuffixMemory] = {}
+        self.step_check = StepCheck()
 
     def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None) -> StepCostModel:
         """

@@ -103,6 +103,15 @@ class StepForward:
         return logits if self.slices_logits else logits[:, step.logits_rows]
 
 
+def numbers_positions_by_slot(model: PreTrainedModel) -> bool:
+    """
+    Whether `generate` leaves a decoder-only model to number positions itself, by cache slot with left padding
+    included: it prepares position ids only for a forward that names them (Whisper's decoder as a causal LM does
+    not), so lookahead steps number positions the same way for such a model.
+    """
+    return not model.config.is_encoder_decoder and "position_ids" not in inspect.signature(model.forward).parameters
+
+
 def select_rows(encoder_outputs: Any, indices: torch.Tensor) -> Any:
     """The batch rows `indices`, in that order, of encoder outputs (a `ModelOutput` or a tuple of tensors)."""
 

@@ -123,10 +123,13 @@ class AttentionGroup:
     Args:
         layer_idx (`int`): a cache layer of the group, asked for the key/value length of the step.
         sliding_window (`int` or `None`): the window of sliding layers, `None` for full attention.
+        chunked (`bool`, *optional*): whether the window is a chunk (Llama 4's chunked attention): a token sees the
+            keys of its own chunk of `sliding_window` positions, not the last `sliding_window` keys.
     """
 
     layer_idx: int
     sliding_window: int | None
+    chunked: bool = False
 
 
 def layer_types(model) -> list[str] | None:
@@ -151,8 +154,8 @@ def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, A
         if name not in groups:
             # A static sliding layer that can be rolled back never holds more than its window: no key is too far.
             window = getattr(layer, "sliding_window", None) if layer.is_sliding else None
-            groups[name] = AttentionGroup(idx, window)
-    if len({group.sliding_window for group in groups.values()}) == 1:
+            groups[name] = AttentionGroup(idx, window, chunked=window is not None and name == "chunked_attention")
+    if len({(group.sliding_window, group.chunked) for group in groups.values()}) == 1:
         return next(iter(groups.values()))
     return groups
 
@@ -393,7 +396,12 @@ class StepLayout:
                 cached = positions[:, :1] - past + torch.arange(past, device=self.device)
                 mask[:, :, :past].masked_fill_((cached < 0)[:, None, :], self.min_value)
             kv_positions = torch.cat([cached, positions], dim=1)
-            too_far = positions[:, :, None] - kv_positions[:, None, :] >= group.sliding_window
+            if group.chunked:
+                too_far = (
+                    positions[:, :, None] // group.sliding_window != kv_positions[:, None, :] // group.sliding_window
+                )
+            else:
+                too_far = positions[:, :, None] - kv_positions[:, None, :] >= group.sliding_window
             mask[:, :, : past + length].masked_fill_(too_far, self.min_value)
         elif slot_valid is not None and past:
             mask[:, :, :past].masked_fill_(~slot_valid[:, None, -past:], self.min_value)

@@ -1,0 +1,231 @@
+"""
+Whether a model computes a lookahead step as plain decoding computes the same tokens: a few-token check of the model
+itself, run once per model before its first lookahead call, instead of a list of architectures that would be out of
+date with the next Transformers release.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+
+from .compatibility import attention_implementation
+from .step_forward import StepForward, cache_argument
+from .step_layout import RowStep, StepLayout
+
+# How far a step's logits may be from one-token passes', as a share of the logits' spread: a pass over several tokens
+# sums in another order (last bits in fp32, more in half precision); a token at a wrong position or seeing a key the
+# mask hides moves the logits by a large share of their spread.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+HALF_PRECISION_TOLERANCE = 0.05
+PREFIX_LENGTH = 5
+# The widest window a model declares that `StepCheck` still checks with a step as wide (one pass of that many tokens).
+LONGEST_WINDOW_CHECKED = 1024
+
+
+class StepCheck:
+    """
+    Checks, once per model (and attention backend, dtype and device), that the model computes a lookahead step as
+    plain decoding does, and remembers the verdict. Two steps are fed after a short prefix, each compared with the
+    same tokens fed one per pass:
+
+    1. a chain of two tokens at consecutive positions (what every model computes alike);
+    2. two branches after a shared token, `b` and `c d`, at positions `p + 1` and `p + 1, p + 2`, `c` and `d` not
+       seeing `b` (what a step holding several candidates asks of the model's positions and 4D attention mask).
+
+    A model that raises, or whose logits differ, is refused before its first lookahead step with the reason.
+    """
+
+    def __init__(self):
+        self._verdicts: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, str | None]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def refuse_if_failing(self, model: PreTrainedModel, padded: bool = False) -> None:
+        """
+        Args:
+            padded (`bool`, *optional*): whether the call's batch has left padding; then the model is also checked
+                to decode a left-padded row as plain greedy decodes the row alone (`padding_failure`).
+
+        Raises:
+            `ValueError` naming the model's class and what it does not compute as plain decoding does.
+        """
+        verdicts = self._verdicts.setdefault(model, {})
+        key = (attention_implementation(model), model.dtype, model.device)
+        checks = [(key, step_failure)] + ([((*key, "padded"), padding_failure)] if padded else [])
+        for check_key, check in checks:
+            if check_key not in verdicts:
+                verdicts[check_key] = check(model)
+            if verdicts[check_key] is not None:
+                raise ValueError(verdicts[check_key])
+
+
+def step_failure(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot decode lookahead steps exactly (`StepCheck`), or `None` when it can."""
+    name = type(model).__name__
+    remedy = (
+        "Lookahead decoding is not available for this model; remove the `lookahead_*` settings to decode as usual."
+    )
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    # Ordinary tokens from the middle of the vocabulary (the first ids are often padding or special tokens).
+    ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
+    prefix, (a, b, c) = ids[:PREFIX_LENGTH], ids[PREFIX_LENGTH:]
+    d, p = prefix[1], PREFIX_LENGTH
+    causal = [[True] * (row + 1) + [False] * (3 - row) for row in range(4)]
+    try:
+        with torch.no_grad():
+            plain_b = _one_token_passes(model, prefix, [a, b])
+            plain_cd = _one_token_passes(model, prefix, [a, c, d])
+            chain = _step(model, prefix, [a, b], [p, p + 1], [row[:2] for row in causal[:2]])
+            # `b` and `c d` after `a`: `c` and `d` see `a` and each other, not `b`.
+            branches_visible = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+            branches = _step(model, prefix, [a, b, c, d], [p, p + 1, p + 1, p + 2], branches_visible)
+    except Exception as error:  # noqa: BLE001 - whatever the model raises on a step is the reason it is refused
+        return f"`{name}` failed on a lookahead step's forward pass ({type(error).__name__}: {error}). {remedy}"
+    if not _close(chain, plain_b, model.dtype):
+        return (
+            f"`{name}` computes a pass over several tokens otherwise than one token per pass (checked on a two-token "
+            f"step before decoding), so a step's tokens would not be plain greedy's. {remedy}"
+        )
+    if _close(branches, torch.cat([plain_b, plain_cd[1:]]), model.dtype):
+        far = _farthest_window(model)
+        if far is None:
+            return None
+        # After a prefix longer than the model's widest window, `c` behind as many hidden tokens: a model that applies
+        # its windows by index in the pass (GPT-Neo's local attention), or selects keys among all those of the pass,
+        # hides `a` from it, though `a` is one position back.
+        long_prefix = [ids[index % len(ids)] for index in range(far + 2)]
+        fillers, q = [b] * far, len(long_prefix)
+        visible = [[1] + [0] * far + [0]]
+        visible += [[1] + [int(j == i) for j in range(far)] + [0] for i in range(far)]
+        visible += [[1] + [0] * far + [1]]
+        with torch.no_grad():
+            plain_c = _one_token_passes(model, long_prefix, [a, c])[1:]
+            distant = _step(model, long_prefix, [a, *fillers, c], [q] + [q + 1] * (far + 1), visible)[-1:]
+        if _close(distant, plain_c, model.dtype):
+            return None
+        return (
+            f"`{name}` applies an attention window of its own inside the pass (by a token's place in the pass, or "
+            f"by choosing among the pass's keys): a token {far + 1} places into a step no longer sees the keys one "
+            f"position back, so a step wider than its window would decode other tokens. {remedy}"
+        )
+    with torch.no_grad():
+        # What the model makes of a hidden key and of a moved position, against the chain `a b c`.
+        seen = _step(model, prefix, [a, b, c], [p, p + 1, p + 2], [row[:3] for row in causal[:3]])[2]
+        hidden = _step(model, prefix, [a, b, c], [p, p + 1, p + 2], [[1, 0, 0], [1, 1, 0], [1, 0, 1]])[2]
+        moved = _step(model, prefix, [a, b, c], [p, p + 1, p + 3], [row[:3] for row in causal[:3]])[2]
+    ignored = []
+    if _close(hidden, seen, model.dtype):
+        ignored.append("the step's 4D attention mask (a token sees keys the mask hides)")
+    if _close(moved, seen, model.dtype):
+        ignored.append("the step's `position_ids` (it places tokens by their index in the cache)")
+    why = " and ".join(ignored) if ignored else "a position and a mask that one-token passes never see"
+    return (
+        f"`{name}` cannot hold a lookahead step's candidate continuations in one pass: it ignores {why}. A step "
+        f"places branches side by side at chosen positions, each hidden from the others by the mask. {remedy}"
+        if ignored
+        else f"`{name}` cannot hold a lookahead step's candidate continuations in one pass: its logits differ from "
+        f"one-token passes' given {why}. {remedy}"
+    )
+
+
+def padding_failure(model: PreTrainedModel) -> str | None:
+    """
+    Why lookahead cannot decode `model` in a left-padded batch, or `None`: where the model's own greedy decoding of a
+    left-padded row differs from the row alone (it treats padding as text somewhere), a lookahead step, which hides
+    padding as a mask must, cannot give plain greedy's output.
+    """
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    row = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 1)]
+    pad = model.generation_config.pad_token_id
+    pad = 0 if not isinstance(pad, int) else pad
+    device, padding = model.device, 3
+    outputs = []
+    with torch.no_grad():
+        for ids, mask in (
+            (row, [1] * len(row)),
+            ([pad] * padding + row, [0] * padding + [1] * len(row)),
+        ):
+            out = GenerationMixin.generate(
+                model,
+                input_ids=torch.tensor([ids], device=device),
+                attention_mask=torch.tensor([mask], device=device),
+                max_new_tokens=3,
+                do_sample=False,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            outputs.append(torch.stack([logits[0].float() for logits in out.logits]))
+    if outputs[0].shape == outputs[1].shape and _close(outputs[1], outputs[0], model.dtype):
+        return None
+    return (
+        f"`{type(model).__name__}`'s own greedy decoding of a left-padded row differs from the row alone (the "
+        "model treats padding as text), so lookahead, which hides padding, cannot give its output for a left-padded "
+        "batch. Decode the rows one at a time, or remove the `lookahead_*` settings."
+    )
+
+
+def _farthest_window(model: PreTrainedModel) -> int | None:
+    """
+    The widest attention window or chunk the model's config declares (fields named for windows or chunks), if it is
+    at most `LONGEST_WINDOW_CHECKED`: a step that wide is worth one pass to check; a wider window is left unchecked.
+    """
+    config = model.config.get_text_config(decoder=True)
+    windows = [
+        value
+        for name, value in vars(config).items()
+        if isinstance(value, int)
+        and not isinstance(value, bool)
+        and value > 0
+        and ("window" in name or "chunk" in name)
+    ]
+    return max(windows) if windows and max(windows) <= LONGEST_WINDOW_CHECKED else None
+
+
+def _prefilled(model: PreTrainedModel, prefix: list[int]) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, **{cache_argument(model): cache})
+    return cache
+
+
+def _one_token_passes(model: PreTrainedModel, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits after each of `tokens`, fed one per pass after `prefix`, as plain decoding feeds them."""
+    cache = _prefilled(model, prefix)
+    logits = []
+    for token in tokens:
+        out = model(
+            input_ids=torch.tensor([[token]], device=model.device), use_cache=True, **{cache_argument(model): cache}
+        )
+        logits.append(out.logits[0, -1].float())
+    return torch.stack(logits)
+
+
+def _step(
+    model: PreTrainedModel, prefix: list[int], tokens: list[int], positions: list[int], visible: list[list[int]]
+) -> torch.Tensor:
+    """The logits of every token of one step after `prefix`, laid out and fed as lookahead steps are."""
+    cache = _prefilled(model, prefix)
+    device = model.device
+    row = RowStep(
+        tokens,
+        torch.tensor(tokens, device=device),
+        torch.tensor(positions, device=device),
+        torch.tensor(visible, dtype=torch.bool, device=device),
+        list(range(len(tokens))),
+        1,
+        False,
+        1,
+        1,
+    )
+    layout = StepLayout.for_model(model, cache, window=1, levels=1)
+    return StepForward(model, cache)(layout.build(cache, [row]))[0].float()
+
+
+def _close(step: torch.Tensor, plain: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a step's logits (in float32) are plain decoding's, within the tolerance of the model's `dtype`."""
+    spread = float(plain.max() - plain.min()) or 1.0
+    tolerance = TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE) * spread
+    return step.shape == plain.shape and bool(((step - plain).abs() <= tolerance).all())

@@ -1,0 +1,89 @@
+import unittest
+
+import torch
+import transformers
+from parameterized import parameterized
+
+from transformers_lookahead import enable_lookahead
+from transformers_lookahead.step_check import StepCheck, step_failure
+
+from .utils import random_prompt, tiny_model
+
+
+class IgnoresPositionIds(transformers.LlamaForCausalLM):
+    """Places tokens by the cache length, as decoders that derive positions do."""
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class IgnoresCustomMasks(transformers.LlamaForCausalLM):
+    """Builds its own causal mask whatever it is given, as backends that rebuild masks do."""
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class FailsOnSteps(transformers.LlamaForCausalLM):
+    """Raises on a pass over several tokens after the prefill, as models whose biases cannot take a 4D mask do."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise RuntimeError("cannot lay out this mask")
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def tiny(model_class: type) -> transformers.PreTrainedModel:
+    model = tiny_model("llama")
+    model.__class__ = model_class
+    return model
+
+
+class StepCheckTest(unittest.TestCase):
+    def test_a_model_that_computes_steps_as_plain_decoding_passes(self):
+        self.assertIsNone(step_failure(tiny_model("llama")))
+        self.assertIsNone(step_failure(tiny_model("gemma3")), "sliding and full layers, each with its mask")
+
+    @parameterized.expand(
+        [
+            (
+                "positions",
+                IgnoresPositionIds,
+                r"it ignores the step's `position_ids` \(it places tokens by their index",
+            ),
+            ("mask", IgnoresCustomMasks, "it ignores the step's 4D attention mask"),
+            ("raises", FailsOnSteps, r"failed on a lookahead step's forward pass \(RuntimeError: cannot lay out"),
+        ]
+    )
+    def test_a_model_that_does_not_is_refused_by_name_before_decoding(self, _, model_class, reason):
+        model = enable_lookahead(tiny(model_class))
+        prompt = random_prompt(10)
+        with self.assertRaisesRegex(ValueError, f"`{model_class.__name__}` .*{reason}"):
+            model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window=4)
+        plain = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        self.assertEqual(plain.shape[1], prompt.shape[1] + 8, "plain decoding still runs")
+
+    def test_the_verdict_is_kept_per_model_and_backend(self):
+        check, model = StepCheck(), tiny(IgnoresCustomMasks)
+        passes = []
+        model.register_forward_pre_hook(lambda *args: passes.append(1))
+        for _ in range(2):
+            with self.assertRaisesRegex(ValueError, "IgnoresCustomMasks"):
+                check.refuse_if_failing(model)
+        # One check: two prefilled runs of 2 and 3 one-token passes, two steps, then three prefilled steps naming why.
+        self.assertEqual(len(passes), 3 + 4 + 2 * 2 + 3 * 2)
+        model.set_attn_implementation("eager")
+        with self.assertRaises(ValueError):
+            check.refuse_if_failing(model)
+        self.assertEqual(len(passes), 2 * (3 + 4 + 2 * 2 + 3 * 2), "another backend is checked again")
+
+    def test_half_precision_passes_within_its_tolerance(self):
+        self.assertIsNone(step_failure(tiny_model("llama").to(torch.bfloat16)))
+
+    def test_continuous_batching_refuses_the_model_before_its_engine_starts(self):
+        from transformers import GenerationConfig
+
+        model = enable_lookahead(tiny(IgnoresCustomMasks))
+        config = GenerationConfig(max_new_tokens=4, do_sample=False, lookahead_window=4)
+        with self.assertRaisesRegex(ValueError, "`IgnoresCustomMasks` .*4D attention mask"):
+            model.generate_batch([random_prompt(8)[0].tolist()], config)
