@@ -77,6 +77,16 @@ class StepCheckTest(unittest.TestCase):
             check.refuse_if_failing(model)
         self.assertEqual(len(passes), 2 * (3 + 4 + 2 * 2 + 3 * 2), "another backend is checked again")
 
+    def test_refused_before_auto_measures_its_cost_table(self):
+        from transformers_lookahead import LookaheadState
+
+        model = enable_lookahead(tiny(IgnoresCustomMasks), LookaheadState(cost_dir=None))
+        passes = []
+        model.register_forward_pre_hook(lambda *args: passes.append(1))
+        with self.assertRaisesRegex(ValueError, "IgnoresCustomMasks"):
+            model.generate(random_prompt(10), max_new_tokens=8, do_sample=False, lookahead_window="auto")
+        self.assertEqual(len(passes), 3 + 4 + 2 * 2 + 3 * 2, "the check's passes only: no cost table, no prefill")
+
     def test_half_precision_passes_within_its_tolerance(self):
         self.assertIsNone(step_failure(tiny_model("llama").to(torch.bfloat16)))
 

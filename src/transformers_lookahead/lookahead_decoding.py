@@ -169,23 +169,25 @@ def generate(
         forward = StepForward(model, cache, model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask"))
     else:
         forward = StepForward(model, cache)
+    committer = CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__)
+    if not model.config.is_encoder_decoder:
+        # After the cache's own checks, before anything runs the model for this call (the prefill, or measuring the
+        # cost table for "auto"). A model numbering positions by slot decodes a padded row otherwise than the row
+        # alone, and so do its steps: padding needs no check there.
+        attention_mask = model_kwargs.get("attention_mask")
+        padded = attention_mask is not None and not numbers_positions_by_slot(model) and not bool(attention_mask.all())
+        lookahead_state.step_check.refuse_if_failing(model, padded)
     decoder = LookaheadDecoder(
         model,
         config,
         logits_processor,
         stopping_criteria,
         generation_config,
-        CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__),
+        committer,
         forward,
         input_ids.shape[0],
         lookahead_state,
     )
-    if not model.config.is_encoder_decoder:
-        # After the cache's own checks (the committer's), before the prefill: refused models run no pass of the call.
-        attention_mask = model_kwargs.get("attention_mask")
-        # A model numbering positions by slot decodes a padded row otherwise than the row alone, as steps do too.
-        padded = attention_mask is not None and not numbers_positions_by_slot(model) and not bool(attention_mask.all())
-        lookahead_state.step_check.refuse_if_failing(model, padded)
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
 

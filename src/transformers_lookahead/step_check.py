@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from .compatibility import attention_implementation
-from .step_forward import StepForward, cache_argument
+from .step_forward import StepForward, cache_argument, numbers_positions_by_slot
 from .step_layout import RowStep, StepLayout
 
 # How far a step's logits may be from one-token passes', as a share of the logits' spread: a pass over several tokens
@@ -28,14 +28,17 @@ LONGEST_WINDOW_CHECKED = 1024
 class StepCheck:
     """
     Checks, once per model (and attention backend, dtype and device), that the model computes a lookahead step as
-    plain decoding does, and remembers the verdict. Two steps are fed after a short prefix, each compared with the
-    same tokens fed one per pass:
+    plain decoding does, and remembers the verdict. Steps are fed after a short prefix, each compared with the same
+    tokens fed one per pass (`step_failure`):
 
     1. a chain of two tokens at consecutive positions (what every model computes alike);
     2. two branches after a shared token, `b` and `c d`, at positions `p + 1` and `p + 1, p + 2`, `c` and `d` not
-       seeing `b` (what a step holding several candidates asks of the model's positions and 4D attention mask).
+       seeing `b` (what a step holding several candidates asks of the model's positions and 4D attention mask);
+    3. where the config declares a window or chunk of at most `LONGEST_WINDOW_CHECKED` tokens, a token that many
+       hidden places into a step, after a prefix as long (a window applied by place in the pass, not by position).
 
-    A model that raises, or whose logits differ, is refused before its first lookahead step with the reason.
+    For a call with a left-padded batch, the model's own greedy decoding of a padded row must also be the row's alone
+    (`padding_failure`). A model that raises, or whose logits differ, is refused with the reason.
     """
 
     def __init__(self):
@@ -185,22 +188,27 @@ def _farthest_window(model: PreTrainedModel) -> int | None:
     return max(windows) if windows and max(windows) <= LONGEST_WINDOW_CHECKED else None
 
 
+def _plain_pass(model: PreTrainedModel, tokens: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+    """
+    One pass of plain decoding over `tokens` from position `start`: position ids as `generate` prepares them (none
+    for a model that numbers positions itself, `numbers_positions_by_slot`). Returns the last token's logits.
+    """
+    kwargs = {cache_argument(model): cache, "use_cache": True}
+    if not numbers_positions_by_slot(model):
+        kwargs["position_ids"] = torch.arange(start, start + len(tokens), device=model.device)[None]
+    return model(input_ids=torch.tensor([tokens], device=model.device), **kwargs).logits[0, -1].float()
+
+
 def _prefilled(model: PreTrainedModel, prefix: list[int]) -> DynamicCache:
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, **{cache_argument(model): cache})
+    _plain_pass(model, prefix, 0, cache)
     return cache
 
 
 def _one_token_passes(model: PreTrainedModel, prefix: list[int], tokens: list[int]) -> torch.Tensor:
     """The logits after each of `tokens`, fed one per pass after `prefix`, as plain decoding feeds them."""
     cache = _prefilled(model, prefix)
-    logits = []
-    for token in tokens:
-        out = model(
-            input_ids=torch.tensor([[token]], device=model.device), use_cache=True, **{cache_argument(model): cache}
-        )
-        logits.append(out.logits[0, -1].float())
-    return torch.stack(logits)
+    return torch.stack([_plain_pass(model, [token], len(prefix) + index, cache) for index, token in enumerate(tokens)])
 
 
 def _step(
