@@ -75,6 +75,8 @@ class ModelFolderTest(unittest.TestCase):
         results = _run_in_fresh_process(
             self.folder,
             [
+                # The first lookahead call in a process also checks the model (`StepCheck`): its passes count there.
+                {"prompt": prompt, **common},
                 {"prompt": prompt, **common},  # the saved fields
                 {
                     "prompt": prompt,
@@ -88,8 +90,9 @@ class ModelFolderTest(unittest.TestCase):
                 {"prompt": prompt, **common, "lookahead_window": -1},  # a bad value: refused
             ],
         )
-        saved, auto, again, off, beams, bad = results
-        for result in (saved, auto, again, off):
+        first, saved, auto, again, off, beams, bad = results
+        self.assertGreater(first["passes"], saved["passes"], "the check ran once, in the first call")
+        for result in (first, saved, auto, again, off):
             self.assertTrue(torch.equal(torch.tensor(result["tokens"]), self.expected))
         self.assertLess(saved["passes"], 40, "the saved lookahead fields were used")
         self.assertLess(again["passes"], auto["passes"], "the model keeps its state, memory included, across calls")

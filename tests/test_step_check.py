@@ -33,6 +33,15 @@ class FailsOnSteps(transformers.LlamaForCausalLM):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 
+class PaddingAsText(transformers.LlamaForCausalLM):
+    """Lets padding be seen in plain decoding (its 2D mask dropped), as a model with its own padding rules might."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = None
+        return super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+
 def tiny(model_class: type) -> transformers.PreTrainedModel:
     model = tiny_model("llama")
     model.__class__ = model_class
@@ -63,7 +72,7 @@ class StepCheckTest(unittest.TestCase):
         plain = model.generate(prompt, max_new_tokens=8, do_sample=False)
         self.assertEqual(plain.shape[1], prompt.shape[1] + 8, "plain decoding still runs")
 
-    def test_the_verdict_is_kept_per_model_and_backend(self):
+    def test_the_verdict_is_kept_per_model(self):
         check, model = StepCheck(), tiny(IgnoresCustomMasks)
         passes = []
         model.register_forward_pre_hook(lambda *args: passes.append(1))
@@ -75,17 +84,32 @@ class StepCheckTest(unittest.TestCase):
         model.set_attn_implementation("eager")
         with self.assertRaises(ValueError):
             check.refuse_if_failing(model)
-        self.assertEqual(len(passes), 2 * (3 + 4 + 2 * 2 + 3 * 2), "another backend is checked again")
+        self.assertEqual(len(passes), 3 + 4 + 2 * 2 + 3 * 2, "what is checked is the model's structure")
+        with self.assertRaises(ValueError):
+            StepCheck().refuse_if_failing(model)
+        self.assertGreater(len(passes), 3 + 4 + 2 * 2 + 3 * 2, "another check checks again")
 
-    def test_refused_before_auto_measures_its_cost_table(self):
+    def test_enabling_checks_so_that_a_refused_call_runs_no_pass(self):
         from transformers_lookahead import LookaheadState
 
         model = enable_lookahead(tiny(IgnoresCustomMasks), LookaheadState(cost_dir=None))
         passes = []
         model.register_forward_pre_hook(lambda *args: passes.append(1))
-        with self.assertRaisesRegex(ValueError, "IgnoresCustomMasks"):
-            model.generate(random_prompt(10), max_new_tokens=8, do_sample=False, lookahead_window="auto")
-        self.assertEqual(len(passes), 3 + 4 + 2 * 2 + 3 * 2, "the check's passes only: no cost table, no prefill")
+        for window in (4, "auto"):
+            with self.assertRaisesRegex(ValueError, "IgnoresCustomMasks"):
+                model.generate(random_prompt(10), max_new_tokens=8, do_sample=False, lookahead_window=window)
+        self.assertEqual(passes, [], "no check, no cost table, no prefill")
+
+    def test_a_model_that_decodes_padding_as_text_is_refused_padded_batches_only(self):
+        model = enable_lookahead(tiny(PaddingAsText))
+        prompt = random_prompt(10)
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window=4)
+        self.assertTrue(torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False)))
+        padded = {"input_ids": torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1)}
+        padded["attention_mask"] = (padded["input_ids"] != 0).long()
+        padded["attention_mask"][:, 3:] = 1
+        with self.assertRaisesRegex(ValueError, "`PaddingAsText`'s own greedy decoding of a left-padded row differs"):
+            model.generate(**padded, max_new_tokens=8, do_sample=False, lookahead_window=4, pad_token_id=0)
 
     def test_half_precision_passes_within_its_tolerance(self):
         self.assertIsNone(step_failure(tiny_model("llama").to(torch.bfloat16)))

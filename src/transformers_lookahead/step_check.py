@@ -11,25 +11,30 @@ import weakref
 import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
-from .compatibility import attention_implementation
 from .step_forward import StepForward, cache_argument, numbers_positions_by_slot
 from .step_layout import RowStep, StepLayout
 
 # How far a step's logits may be from one-token passes', as a share of the logits' spread: a pass over several tokens
-# sums in another order (last bits in fp32, more in half precision); a token at a wrong position or seeing a key the
-# mask hides moves the logits by a large share of their spread.
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+# sums in another order (last bits: about 3e-7 in fp32 on tiny Llama, Qwen3, Gemma 3, DeepSeek-V3, OLMo 2 and Phi-3;
+# more in half precision); a token at a wrong position or seeing a key the mask hides moves the logits by a large
+# share of their spread, and a model that loops over its layers (HRM, 1e-3) amplifies the last bits until greedy
+# tokens differ.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 HALF_PRECISION_TOLERANCE = 0.05
 PREFIX_LENGTH = 5
 # The widest window a model declares that `StepCheck` still checks with a step as wide (one pass of that many tokens).
 LONGEST_WINDOW_CHECKED = 1024
 
 
+class UnevenCacheError(RuntimeError):
+    """A model's cache does not hold one entry per token fed (`step_failure`)."""
+
+
 class StepCheck:
     """
-    Checks, once per model (and attention backend, dtype and device), that the model computes a lookahead step as
-    plain decoding does, and remembers the verdict. Steps are fed after a short prefix, each compared with the same
-    tokens fed one per pass (`step_failure`):
+    Checks, once per model, that the model computes a lookahead step as plain decoding does, and remembers the
+    verdict. Steps are fed after a short prefix, each compared with the same tokens fed one per pass
+    (`step_failure`):
 
     1. a chain of two tokens at consecutive positions (what every model computes alike);
     2. two branches after a shared token, `b` and `c d`, at positions `p + 1` and `p + 1, p + 2`, `c` and `d` not
@@ -37,32 +42,37 @@ class StepCheck:
     3. where the config declares a window or chunk of at most `LONGEST_WINDOW_CHECKED` tokens, a token that many
        hidden places into a step, after a prefix as long (a window applied by place in the pass, not by position).
 
-    For a call with a left-padded batch, the model's own greedy decoding of a padded row must also be the row's alone
-    (`padding_failure`). A model that raises, or whose logits differ, is refused with the reason.
+    For left-padded batches, the model's own greedy decoding of a padded row must also be the row's alone
+    (`padding_failure`). What is checked is the model's structure, so a verdict holds whatever dtype, device or
+    attention backend the model moves to later (backends that cannot take a step's mask are refused on their own).
     """
 
     def __init__(self):
-        self._verdicts: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, str | None]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._verdicts: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, str | None]] = weakref.WeakKeyDictionary()
+
+    def check(self, model: PreTrainedModel, padded: bool = True) -> None:
+        """
+        Checks `model` now, if not yet (`enable_lookahead` does, so that no call runs the check's passes), and keeps
+        the verdicts. `padded`: also for left-padded batches.
+        """
+        verdicts = self._verdicts.setdefault(model, {})
+        for name, check in (("steps", step_failure), ("padding", padding_failure))[: 2 if padded else 1]:
+            if name not in verdicts:
+                verdicts[name] = check(model)
 
     def refuse_if_failing(self, model: PreTrainedModel, padded: bool = False) -> None:
         """
         Args:
-            padded (`bool`, *optional*): whether the call's batch has left padding; then the model is also checked
-                to decode a left-padded row as plain greedy decodes the row alone (`padding_failure`).
+            padded (`bool`, *optional*): whether the call's batch has left padding (then the padding check counts).
 
         Raises:
             `ValueError` naming the model's class and what it does not compute as plain decoding does.
         """
-        verdicts = self._verdicts.setdefault(model, {})
-        key = (attention_implementation(model), model.dtype, model.device)
-        checks = [(key, step_failure)] + ([((*key, "padded"), padding_failure)] if padded else [])
-        for check_key, check in checks:
-            if check_key not in verdicts:
-                verdicts[check_key] = check(model)
-            if verdicts[check_key] is not None:
-                raise ValueError(verdicts[check_key])
+        self.check(model, padded)
+        verdicts = self._verdicts[model]
+        for name in ("steps", "padding")[: 2 if padded else 1]:
+            if verdicts[name] is not None:
+                raise ValueError(verdicts[name])
 
 
 def step_failure(model: PreTrainedModel) -> str | None:
@@ -85,6 +95,8 @@ def step_failure(model: PreTrainedModel) -> str | None:
             # `b` and `c d` after `a`: `c` and `d` see `a` and each other, not `b`.
             branches_visible = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
             branches = _step(model, prefix, [a, b, c, d], [p, p + 1, p + 1, p + 2], branches_visible)
+    except UnevenCacheError as error:
+        return f"`{name}` cannot decode lookahead steps: {error}. {remedy}"
     except Exception as error:  # noqa: BLE001 - whatever the model raises on a step is the reason it is refused
         return f"`{name}` failed on a lookahead step's forward pass ({type(error).__name__}: {error}). {remedy}"
     if not _close(chain, plain_b, model.dtype):
@@ -146,23 +158,26 @@ def padding_failure(model: PreTrainedModel) -> str | None:
     pad = 0 if not isinstance(pad, int) else pad
     device, padding = model.device, 3
     outputs = []
-    with torch.no_grad():
-        for ids, mask in (
-            (row, [1] * len(row)),
-            ([pad] * padding + row, [0] * padding + [1] * len(row)),
-        ):
-            out = GenerationMixin.generate(
-                model,
-                input_ids=torch.tensor([ids], device=device),
-                attention_mask=torch.tensor([mask], device=device),
-                max_new_tokens=3,
-                do_sample=False,
-                pad_token_id=pad,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            outputs.append(torch.stack([logits[0].float() for logits in out.logits]))
-    if outputs[0].shape == outputs[1].shape and _close(outputs[1], outputs[0], model.dtype):
+    try:
+        with torch.no_grad():
+            for ids, mask in (
+                (row, [1] * len(row)),
+                ([pad] * padding + row, [0] * padding + [1] * len(row)),
+            ):
+                out = GenerationMixin.generate(
+                    model,
+                    input_ids=torch.tensor([ids], device=device),
+                    attention_mask=torch.tensor([mask], device=device),
+                    max_new_tokens=3,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+                outputs.append(torch.stack([logits[0].float() for logits in out.logits]))
+    except Exception as error:  # noqa: BLE001 - a model plain greedy cannot decode padded is refused padded batches
+        outputs = [error]
+    if len(outputs) == 2 and outputs[0].shape == outputs[1].shape and _close(outputs[1], outputs[0], model.dtype):
         return None
     return (
         f"`{type(model).__name__}`'s own greedy decoding of a left-padded row differs from the row alone (the "
@@ -229,7 +244,15 @@ def _step(
         1,
     )
     layout = StepLayout.for_model(model, cache, window=1, levels=1)
-    return StepForward(model, cache)(layout.build(cache, [row]))[0].float()
+    logits = StepForward(model, cache)(layout.build(cache, [row]))[0].float()
+    held = cache.get_seq_length()
+    if held != len(prefix) + len(tokens):
+        # Dropping a step's rejected tokens crops their entries by count: one entry per token, or nothing works.
+        raise UnevenCacheError(
+            f"its cache holds {held} entries after {len(prefix) + len(tokens)} tokens (its layers write more or "
+            "fewer than one entry per token), so a step's rejected tokens cannot be dropped"
+        )
+    return logits
 
 
 def _close(step: torch.Tensor, plain: torch.Tensor, dtype: torch.dtype) -> bool:
