@@ -111,6 +111,16 @@ class StepCheckTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "`PaddingAsText`'s own greedy decoding of a left-padded row differs"):
             model.generate(**padded, max_new_tokens=8, do_sample=False, lookahead_window=4, pad_token_id=0)
 
+    def test_a_model_in_training_mode_is_checked_as_it_decodes(self):
+        model = tiny_model("llama")
+        model.config.attention_dropout = 0.5
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.5
+        model.train()
+        check = StepCheck()
+        check.refuse_if_failing(model)
+        self.assertTrue(model.training, "the mode is restored")
+
     def test_half_precision_passes_within_its_tolerance(self):
         self.assertIsNone(step_failure(tiny_model("llama").to(torch.bfloat16)))
 

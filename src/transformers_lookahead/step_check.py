@@ -56,9 +56,15 @@ class StepCheck:
         the verdicts. `padded`: also for left-padded batches.
         """
         verdicts = self._verdicts.setdefault(model, {})
-        for name, check in (("steps", step_failure), ("padding", padding_failure))[: 2 if padded else 1]:
-            if name not in verdicts:
-                verdicts[name] = check(model)
+        training = model.training
+        # Dropout would make every comparison fail: the check is of the model as it decodes.
+        model.eval()
+        try:
+            for name, check in (("steps", step_failure), ("padding", padding_failure))[: 2 if padded else 1]:
+                if name not in verdicts:
+                    verdicts[name] = check(model)
+        finally:
+            model.train(training)
 
     def refuse_if_failing(self, model: PreTrainedModel, padded: bool = False) -> None:
         """
