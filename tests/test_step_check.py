@@ -43,9 +43,9 @@ class PaddingAsText(transformers.LlamaForCausalLM):
 
 
 def tiny(model_class: type) -> transformers.PreTrainedModel:
-    model = tiny_model("llama")
-    model.__class__ = model_class
-    return model
+    """A tiny Llama of `model_class`, as `tiny_model("llama")` builds one."""
+    torch.manual_seed(0)
+    return model_class(tiny_model("llama").config).eval()
 
 
 class StepCheckTest(unittest.TestCase):
