@@ -221,7 +221,9 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "cache": cache,
-        "divergence": divergence_sources(model, [ids for _, _, ids, _ in prompts[:DIVERGENCE_PROMPTS]], cache=cache),
+        "divergence": None
+        if model.config.is_encoder_decoder
+        else divergence_sources(model, [ids for _, _, ids, _ in prompts[:DIVERGENCE_PROMPTS]], cache=cache),
     }
 
 
