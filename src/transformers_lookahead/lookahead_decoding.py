@@ -248,12 +248,6 @@ class SequenceState(SequenceLookahead):
         self.done = False
         self.scores: list[torch.Tensor] = []
         self.raw_logits: list[torch.Tensor] = []
-        # Where the model numbers positions by cache slot, the row's left padding counts (`LookaheadDecoder`).
-        self.position_offset = 0
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens) - 1 + self.position_offset
 
     @property
     def length(self) -> int:

@@ -60,6 +60,8 @@ class SequenceLookahead:
         # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
         self.pending = tokens[-1:]
         self.accepted: list[int] = []
+        # Where the model numbers positions by cache slot, the row's left padding counts (`numbers_positions_by_slot`).
+        self.position_offset = 0
 
     @property
     def length(self) -> int:
@@ -68,8 +70,11 @@ class SequenceLookahead:
 
     @property
     def position(self) -> int:
-        """The position of the last token (the first real token is at 0, as with left-padded plain decoding)."""
-        return len(self.tokens) - 1
+        """
+        The position of the last token: the first real token is at 0, as with left-padded plain decoding, unless the
+        model numbers positions by cache slot (`position_offset`, the row's padding).
+        """
+        return len(self.tokens) - 1 + self.position_offset
 
     def advance(self, kept: int, config: LookaheadConfig, refeed: bool = False) -> None:
         """

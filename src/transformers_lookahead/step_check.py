@@ -142,13 +142,15 @@ def step_failure(model: PreTrainedModel) -> str | None:
         ignored.append("the step's 4D attention mask (a token sees keys the mask hides)")
     if _close(moved, seen, model.dtype):
         ignored.append("the step's `position_ids` (it places tokens by their index in the cache)")
-    why = " and ".join(ignored) if ignored else "a position and a mask that one-token passes never see"
+    cannot = f"`{name}` cannot hold a lookahead step's candidate continuations in one pass"
+    if not ignored:
+        return (
+            f"{cannot}: its logits differ from one-token passes' given a position and a mask that one-token passes "
+            f"never see. {remedy}"
+        )
     return (
-        f"`{name}` cannot hold a lookahead step's candidate continuations in one pass: it ignores {why}. A step "
-        f"places branches side by side at chosen positions, each hidden from the others by the mask. {remedy}"
-        if ignored
-        else f"`{name}` cannot hold a lookahead step's candidate continuations in one pass: its logits differ from "
-        f"one-token passes' given {why}. {remedy}"
+        f"{cannot}: it ignores {' and '.join(ignored)}. A step places branches side by side at chosen positions, each "
+        f"hidden from the others by the mask. {remedy}"
     )
 
 
