@@ -9,7 +9,9 @@ the zoo covers.
 
 from __future__ import annotations
 
+import inspect
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,9 @@ SIZE_RULES: tuple[tuple[str, int], ...] = (
     (r"index_topk$", 4),
 )
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+# Size fields a config class may leave unset (`None`) for its model to derive, which some models do not: these take
+# their rule's size (a `None` window or expert count means none, and stays).
+FILLED_WHEN_UNSET = re.compile(r"^(head_dim|num_key_value_heads|moe_intermediate_size|intermediate_size)$")
 
 
 def shrink(config: PretrainedConfig, layers: bool = True) -> PretrainedConfig:
@@ -54,6 +59,8 @@ def shrink(config: PretrainedConfig, layers: bool = True) -> PretrainedConfig:
         elif isinstance(value, (list, tuple)) and value and all(isinstance(item, PretrainedConfig) for item in value):
             for item in value:
                 shrink(item, layers)
+        elif value is None and FILLED_WHEN_UNSET.search(name):
+            _set(config, name, next(size for pattern, size in SIZE_RULES if re.search(pattern, name)))
         elif isinstance(value, int) and not isinstance(value, bool):
             if re.search(r"_token_(id|index)$", name) and value >= VOCAB:
                 # Special tokens inside the shrunk vocabulary, each its own.
@@ -75,12 +82,42 @@ def shrink(config: PretrainedConfig, layers: bool = True) -> PretrainedConfig:
     for name in ("rotary_dim", "rotary_emb_dim"):
         if isinstance(vars(config).get(name), int):
             _set(config, name, 8)
+    _fit_rotary_sections(config)
     if layers:
         _keep_one_layer_of_each_kind(config)
     if "is_decoder" in vars(config):
         config.is_decoder = True
     config.initializer_range = 0.3
     return config
+
+
+def _fit_rotary_sections(config: PretrainedConfig) -> None:
+    """
+    Multimodal rotary sections (`rope_parameters["mrope_section"]`, Qwen2-VL's and GLM-4V's) split half a head's
+    rotary dimensions: scaled in proportion to the shrunk head.
+    """
+    rope = vars(config).get("rope_parameters")
+    if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), (list, tuple)):
+        return
+    fields = vars(config)
+    head_dim = fields.get("head_dim")
+    if not head_dim and fields.get("hidden_size") and fields.get("num_attention_heads"):
+        head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    if not head_dim:
+        return
+    partial = rope.get("partial_rotary_factor", fields.get("partial_rotary_factor")) or 1.0
+    total, sections = int(head_dim * partial) // 2, list(rope["mrope_section"])
+    scaled = [max(1, section * total // sum(sections)) for section in sections[:-1]]
+    rope["mrope_section"] = type(rope["mrope_section"])([*scaled, total - sum(scaled)])
+
+
+def _configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """`config` and every config inside it."""
+    found = [config]
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            found += _configs(value)
+    return found
 
 
 def _set(config: PretrainedConfig, name: str, value: Any) -> None:
@@ -158,6 +195,13 @@ def build(architecture: Architecture, layers: bool = True, seed: int = 0) -> Any
     """The architecture's model, tiny and random in fp32, in eval mode (`layers`: as `shrink` takes it)."""
     model_class = getattr(transformers, architecture.class_name)
     config = shrink(text_config(AutoConfig.for_model(architecture.model_type), model_class), layers)
+    if "mrope_section" in inspect.getsource(sys.modules[model_class.__module__]):
+        # The model splits its rotary dimensions into sections, by default Qwen2-VL's when the config names none.
+        for part in _configs(config):
+            rope = vars(part).get("rope_parameters")
+            if isinstance(rope, dict) and "mrope_section" not in rope:
+                rope["mrope_section"] = [16, 24, 24]
+                _fit_rotary_sections(part)
     with torch.device("meta"):
         parameters = sum(parameter.numel() for parameter in model_class(config).parameters())
     if parameters > MAX_PARAMETERS:
@@ -194,6 +238,10 @@ def left_padded_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
         input_ids[row, longest - len(prompt) :] = torch.tensor(prompt)
         attention_mask[row, longest - len(prompt) :] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# How an exact verdict's detail starts where lookahead decoded the model in chain steps.
+CHAIN_STEPS = "In chain steps"
 
 
 @dataclass
@@ -253,7 +301,8 @@ def verdict(model: torch.nn.Module, settings: tuple[dict, ...]) -> Verdict:
                 return Verdict("failed", f"{type(error).__name__}: {error}")
             if not torch.equal(out, expected):
                 return Verdict("failed", f"output differs from plain greedy (input {index}, {setting})")
-    return Verdict("exact")
+    chain = model.lookahead_state.step_check.chain_reason(model)
+    return Verdict("exact", "" if chain is None else f"{CHAIN_STEPS}: {chain}")
 
 
 def zoo_verdict(architecture: Architecture, settings: tuple[dict, ...], state_factory) -> Verdict:

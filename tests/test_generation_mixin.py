@@ -200,7 +200,7 @@ class ModelCacheTest(unittest.TestCase):
         model = enable_lookahead(RwkvForCausalLM(config).eval())
         passes = []
         model.register_forward_hook(lambda *args: passes.append(1))
-        with self.assertRaisesRegex(ValueError, "RwkvForCausalLM keeps its decoding state outside .*`Cache`"):
+        with self.assertRaisesRegex(ValueError, "`RwkvForCausalLM` keeps its decoding state outside .*`Cache`"):
             model.generate(random_prompt(8), max_new_tokens=6, do_sample=False, lookahead_window=4)
         self.assertEqual(passes, [], "refused before the first forward pass")
 

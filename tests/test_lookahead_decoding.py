@@ -15,6 +15,7 @@ from transformers_lookahead.cost_model import COST_GRID, StepCostModel
 from transformers_lookahead.lookahead_decoding import TokenStoppingCriteria, compiled_buckets
 from transformers_lookahead.step_policy import AdaptiveStepPolicy, PolicyEstimates
 
+from .test_step_check import FailsOnSteps, IgnoresCustomMasks, IgnoresPositionIds, tiny
 from .utils import (
     EAGER_ONLY,
     TINY_CONFIGS,
@@ -26,6 +27,7 @@ from .utils import (
     tiny_model,
 )
 
+MEMORY = {"lookahead_window": "auto", "lookahead_memory": True}
 # (W, N, G): the smallest step, lade's settings, a window without a pool, large values, and the adaptive policy
 STEP_SHAPES = [(1, 2, 0), (4, 3, 4), (7, 5, 7), (3, 4, 0), (15, 5, 15), ("auto", 5, None)]
 ARCHITECTURES = [
@@ -127,6 +129,50 @@ class LookaheadExactnessTest(unittest.TestCase):
         expected = model.generate(prompt, max_length=48, do_sample=False)
         out = _lookahead(model, prompt, max_length=48, lookahead_window=7)
         self.assertTrue(torch.equal(out.sequences, expected))
+
+
+class ChainStepsTest(unittest.TestCase):
+    """Models that compute consecutive tokens as plain decoding does but cannot take a full step (`StepCheck`)."""
+
+    @parameterized.expand(
+        [(model_class.__name__, model_class) for model_class in (IgnoresPositionIds, IgnoresCustomMasks, FailsOnSteps)]
+    )
+    def test_identical_to_greedy_one_prompt_and_padded(self, _, model_class):
+        model = enable_lookahead(tiny(model_class), flat_state())
+        prompts = [random_prompt(21, seed=0), random_prompt(9, seed=1)]
+        # The second prompt is remembered after the batch: there, the first row's steps accept the remembered text
+        # and the second row's accept one token, and the rows keep as many tokens each step (none has an unused slot).
+        calls = [{"input_ids": prompts[0]}, {"input_ids": prompts[0]}, left_padded(prompts), {"input_ids": prompts[1]}]
+        for settings in ({"lookahead_window": 4, "lookahead_ngram": 3, "lookahead_guess": 4}, MEMORY):
+            accepted = []
+            for inputs in calls:
+                plain = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=0)
+                out = model.generate(
+                    **inputs,
+                    max_new_tokens=24,
+                    do_sample=False,
+                    pad_token_id=0,
+                    return_dict_in_generate=True,
+                    **settings,
+                )
+                self.assertTrue(torch.equal(out.sequences, plain), f"{settings}, {inputs['input_ids'].shape}")
+                accepted.append(out.accepted_per_step)
+            batch = accepted[2]
+            self.assertEqual(batch[0], batch[1], "the rows of a batch keep as many tokens every step")
+        self.assertGreater(max(accepted[1]), 1, "chain steps accept candidates")
+
+    def test_a_chain_step_holds_one_candidate_and_no_window(self):
+        model = enable_lookahead(tiny(IgnoresPositionIds), flat_state())
+        lengths = []
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        prompt = random_prompt(6, seed=1).repeat(1, 4)
+        out = _lookahead(model, prompt, max_new_tokens=24, lookahead_window=4, lookahead_ngram=3, lookahead_guess=4)
+        # The prefill, then steps of the pending token and at most N - 1 = 2 candidate tokens.
+        self.assertEqual(lengths[0], prompt.shape[1])
+        self.assertLessEqual(max(lengths[1:]), 3)
+        self.assertEqual(len(lengths), out.num_forward_passes)
 
 
 class ModelDeviceTest(unittest.TestCase):

@@ -1,5 +1,6 @@
 """
-Every causal LM of the installed Transformers, built tiny and random from its own config class (`tests/model_zoo.py`): lookahead decodes token-identically to plain greedy in fp32,
+Every causal LM and every image-text-to-text model (on text alone) of the installed Transformers, built tiny and
+random from its own config class (`tests/model_zoo.py`): lookahead decodes token-identically to plain greedy in fp32,
 one prompt at a time and in a left-padded batch, with a fixed window and with `"auto"`, or is refused before the
 call's prefill with an error naming the model's class. `utils/render_zoo.py` renders the verdicts into
 `docs/source/en/model_zoo.md`; with the Transformers release that page was rendered with, every verdict must be the
@@ -71,9 +72,17 @@ class CausalLMZooTest(ModelZooMixin, unittest.TestCase):
         self.check(architecture)
 
 
+class ImageTextToTextZooTest(ModelZooMixin, unittest.TestCase):
+    """The image-text-to-text mapping's models on text alone: their language model's path, through their own class."""
+
+    @parameterized.expand(checked("image_text_to_text"))
+    def test_exact_or_refused_by_name(self, _, architecture):
+        self.check(architecture)
+
+
 class ZooPageTest(unittest.TestCase):
     def test_the_page_lists_every_architecture(self):
         version, rows = page_verdicts()
         if version != transformers.__version__:
             self.skipTest(f"the page lists Transformers {version}'s models; this is {transformers.__version__}")
-        self.assertEqual(set(rows), {(a.mapping, a.model_type) for a in zoo() if a.mapping == "causal_lm"})
+        self.assertEqual(set(rows), {(a.mapping, a.model_type) for a in zoo()})

@@ -42,6 +42,17 @@ class PaddingAsText(transformers.LlamaForCausalLM):
         return super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
+class ComputesStepsOtherwise(transformers.LlamaForCausalLM):
+    """Moves its logits on passes of several tokens after a prefix, as a model whose multi-token passes differ does."""
+
+    def forward(self, input_ids=None, **kwargs):
+        output = super().forward(input_ids=input_ids, **kwargs)
+        cache = output.past_key_values
+        if input_ids.shape[1] > 1 and cache is not None and cache.get_seq_length() > input_ids.shape[1]:
+            output.logits = output.logits + torch.linspace(0, 1, output.logits.shape[-1])
+        return output
+
+
 def tiny(model_class: type) -> transformers.PreTrainedModel:
     """A tiny Llama of `model_class`, as `tiny_model("llama")` builds one."""
     torch.manual_seed(0)
@@ -64,52 +75,72 @@ class StepCheckTest(unittest.TestCase):
             ("raises", FailsOnSteps, r"failed on a lookahead step's forward pass \(RuntimeError: cannot lay out"),
         ]
     )
-    def test_a_model_that_does_not_is_refused_by_name_before_decoding(self, _, model_class, reason):
-        model = enable_lookahead(tiny(model_class))
+    def test_a_model_that_only_computes_chains_decodes_in_chain_steps(self, _, model_class, reason):
+        check, model = StepCheck(), tiny(model_class)
+        with self.assertLogs("transformers_lookahead.step_check", "WARNING") as logs:
+            self.assertTrue(check.refuse_if_failing(model, chain_steps=True))
+            self.assertTrue(check.refuse_if_failing(model, padded=True, chain_steps=True), "padding is fed as usual")
+        self.assertEqual(len(logs.records), 1, "said once")
+        self.assertRegex(logs.output[0], f"`{model_class.__name__}` .*{reason}.*decodes it in chain steps")
+        with self.assertRaisesRegex(ValueError, f"`{model_class.__name__}` .*{reason}.*continuous batching"):
+            check.refuse_if_failing(model)
+
+    def test_a_model_that_computes_no_chain_as_plain_decoding_is_refused_by_name_before_decoding(self):
+        model = enable_lookahead(tiny(ComputesStepsOtherwise))
         prompt = random_prompt(10)
-        with self.assertRaisesRegex(ValueError, f"`{model_class.__name__}` .*{reason}"):
+        with self.assertRaisesRegex(
+            ValueError, "`ComputesStepsOtherwise` computes a pass over several tokens otherwise.*also gives other"
+        ):
             model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window=4)
         plain = model.generate(prompt, max_new_tokens=8, do_sample=False)
         self.assertEqual(plain.shape[1], prompt.shape[1] + 8, "plain decoding still runs")
 
     def test_the_verdict_is_kept_per_model(self):
-        check, model = StepCheck(), tiny(IgnoresCustomMasks)
+        check, model = StepCheck(), tiny(ComputesStepsOtherwise)
         passes = []
         model.register_forward_pre_hook(lambda *args: passes.append(1))
         for _ in range(2):
-            with self.assertRaisesRegex(ValueError, "IgnoresCustomMasks"):
-                check.refuse_if_failing(model)
-        # One check: two prefilled runs of 2 and 3 one-token passes, two steps, then three prefilled steps naming why.
-        self.assertEqual(len(passes), 3 + 4 + 2 * 2 + 3 * 2)
+            with self.assertRaisesRegex(ValueError, "ComputesStepsOtherwise"):
+                check.refuse_if_failing(model, chain_steps=True)
+        # One check: two prefilled runs of 2 and 3 one-token passes and two steps; for the chain, a prefilled run of
+        # 3 one-token passes and a prefilled chain step.
+        checked = 3 + 4 + 2 * 2 + 4 + 2
+        self.assertEqual(len(passes), checked)
         model.set_attn_implementation("eager")
         with self.assertRaises(ValueError):
             check.refuse_if_failing(model)
-        self.assertEqual(len(passes), 3 + 4 + 2 * 2 + 3 * 2, "what is checked is the model's structure")
+        self.assertEqual(len(passes), checked, "what is checked is the model's structure")
         with self.assertRaises(ValueError):
             StepCheck().refuse_if_failing(model)
-        self.assertGreater(len(passes), 3 + 4 + 2 * 2 + 3 * 2, "another check checks again")
+        self.assertGreater(len(passes), checked, "another check checks again")
 
     def test_enabling_checks_so_that_a_refused_call_runs_no_pass(self):
         from transformers_lookahead import LookaheadState
 
-        model = enable_lookahead(tiny(IgnoresCustomMasks), LookaheadState(cost_dir=None))
+        model = enable_lookahead(tiny(ComputesStepsOtherwise), LookaheadState(cost_dir=None))
         passes = []
         model.register_forward_pre_hook(lambda *args: passes.append(1))
         for window in (4, "auto"):
-            with self.assertRaisesRegex(ValueError, "IgnoresCustomMasks"):
+            with self.assertRaisesRegex(ValueError, "ComputesStepsOtherwise"):
                 model.generate(random_prompt(10), max_new_tokens=8, do_sample=False, lookahead_window=window)
         self.assertEqual(passes, [], "no check, no cost table, no prefill")
 
-    def test_a_model_that_decodes_padding_as_text_is_refused_padded_batches_only(self):
+    def test_a_model_that_decodes_padding_as_text_decodes_padded_batches_in_chain_steps(self):
         model = enable_lookahead(tiny(PaddingAsText))
         prompt = random_prompt(10)
         out = model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window=4)
         self.assertTrue(torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False)))
+        self.assertRegex(model.lookahead_state.step_check.chain_reason(model), "left-padded row differs")
         padded = {"input_ids": torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1)}
         padded["attention_mask"] = (padded["input_ids"] != 0).long()
         padded["attention_mask"][:, 3:] = 1
-        with self.assertRaisesRegex(ValueError, "`PaddingAsText`'s own greedy decoding of a left-padded row differs"):
-            model.generate(**padded, max_new_tokens=8, do_sample=False, lookahead_window=4, pad_token_id=0)
+        plain = model.generate(**padded, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        with self.assertLogs("transformers_lookahead.step_check", "WARNING") as logs:
+            out = model.generate(**padded, max_new_tokens=8, do_sample=False, lookahead_window=4, pad_token_id=0)
+        self.assertTrue(torch.equal(out, plain), "plain greedy's output, padding seen as it sees it")
+        self.assertRegex(logs.output[0], "`PaddingAsText`'s own greedy decoding of a left-padded row differs.*chain")
+        with self.assertRaisesRegex(ValueError, "`PaddingAsText`'s own greedy decoding.*continuous batching"):
+            model.lookahead_state.step_check.refuse_if_failing(model, padded=True)
 
     def test_a_model_in_training_mode_is_checked_as_it_decodes(self):
         model = tiny_model("llama")
@@ -129,5 +160,5 @@ class StepCheckTest(unittest.TestCase):
 
         model = enable_lookahead(tiny(IgnoresCustomMasks))
         config = GenerationConfig(max_new_tokens=4, do_sample=False, lookahead_window=4)
-        with self.assertRaisesRegex(ValueError, "`IgnoresCustomMasks` .*4D attention mask"):
+        with self.assertRaisesRegex(ValueError, "`IgnoresCustomMasks` .*4D attention mask.*not lay out"):
             model.generate_batch([random_prompt(8)[0].tolist()], config)

@@ -10,6 +10,7 @@ from transformers_lookahead.verification import (
     GreedyVerifier,
     PositionNoise,
     SamplingVerifier,
+    Verdict,
     _half_precision_argmax,
     greedy_tokens,
     read_choices,
@@ -52,6 +53,17 @@ def _with_bits(row: torch.Tensor, index: int, bits: int) -> torch.Tensor:
     row = row.clone()
     row.view(torch.int16)[index] = bits - (1 << 16) if bits >= 1 << 15 else bits
     return row
+
+
+class VerdictTest(unittest.TestCase):
+    def test_truncated_keeps_a_prefix_of_tokens_nodes_logits_and_scores(self):
+        logits = [torch.full((1, 3), float(i)) for i in range(3)]
+        verdict = Verdict([5, 6, 7], [0, 1], logits, [t + 1 for t in logits])
+        kept = verdict.truncated(2)
+        self.assertEqual((kept.tokens, kept.nodes), ([5, 6], [0]))
+        self.assertEqual([t[0, 0].item() for t in kept.logits], [0.0, 1.0])
+        self.assertEqual([t[0, 0].item() for t in kept.scores], [1.0, 2.0])
+        self.assertEqual(verdict.truncated(1).nodes, [])
 
 
 class GreedyTokensTest(unittest.TestCase):

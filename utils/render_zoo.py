@@ -1,6 +1,6 @@
 """
-Writes `docs/source/en/model_zoo.md`: every architecture of the installed Transformers' causal-LM mapping, built
-tiny and random, and what lookahead does with it (`tests/test_model_zoo.py`,
+Writes `docs/source/en/model_zoo.md`: every architecture of the installed Transformers' causal-LM and
+image-text-to-text mappings, built tiny and random, and what lookahead does with it (`tests/test_model_zoo.py`,
 which checks the page against its own verdicts). Takes a few minutes on 2 cores.
 
     python utils/render_zoo.py
@@ -17,11 +17,11 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
-from tests.model_zoo import NEW_TOKENS, POSITION_SCALE, PROMPTS, zoo, zoo_verdict  # noqa: E402
+from tests.model_zoo import CHAIN_STEPS, NEW_TOKENS, POSITION_SCALE, PROMPTS, zoo, zoo_verdict  # noqa: E402
 from tests.test_model_zoo import PAGE, SETTINGS, cell  # noqa: E402
 from tests.utils import flat_state  # noqa: E402
 
-MAPPINGS = {"causal_lm": "causal LM"}
+MAPPINGS = {"causal_lm": "causal LM", "image_text_to_text": "image-text-to-text (text alone)"}
 
 
 def render() -> str:
@@ -30,12 +30,13 @@ def render() -> str:
     for architecture in (architecture for architecture in zoo() if architecture.mapping in MAPPINGS):
         result = zoo_verdict(architecture, SETTINGS, flat_state)
         counts[(architecture.mapping, result.status)] += 1
+        counts[(architecture.mapping, "chain")] += result.detail.startswith(CHAIN_STEPS)
         rows.append(
             f"| {architecture.mapping} | `{architecture.model_type}` | {architecture.class_name} | {result.status} | "
             f"{cell(result.detail)} |"
         )
     summary = [
-        f"| {label} | {counts[(mapping, 'exact')]} | {counts[(mapping, 'refused')]} | "
+        f"| {label} | {counts[(mapping, 'exact')]} | {counts[(mapping, 'chain')]} | {counts[(mapping, 'refused')]} | "
         f"{counts[(mapping, 'not built')]} |"
         for mapping, label in MAPPINGS.items()
     ]
@@ -46,7 +47,8 @@ def render() -> str:
             "# Model zoo",
             "",
             f"**Transformers {transformers.__version__}**: every architecture of its causal-LM mapping "
-            "(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), built tiny and random from its own config class "
+            "(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`) and of its image-text-to-text mapping "
+            "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, prompted with text alone), built tiny and random from its own config class "
             "(`tests/model_zoo.py`: sizes, layers, heads, experts and windows shrunk by field name, one layer of "
             "every kind kept, learned position tables scaled up "
             f"{POSITION_SCALE:g}x so that a model placing tokens at wrong positions decodes other tokens). In fp32, "
@@ -54,14 +56,16 @@ def render() -> str:
             f"{len(PROMPTS)} prompts one at a time (repeating themselves, longer than every window) and as a "
             "left-padded batch.",
             "",
-            "- **exact**: every output `torch.equal` to plain greedy's.",
+            "- **exact**: every output `torch.equal` to plain greedy's; *in chain steps* where the model cannot take "
+            "a full step (or, for left-padded batches only, treats padding as text) and lookahead decodes it in "
+            "chain steps (the guide's *Chain steps*), with the reason.",
             "- **refused**: lookahead raised, before the call's prefill, the error shown, naming the class (most come "
             "from the model's own check, `StepCheck`, or from its cache's layers).",
             "- **not built**: this Transformers cannot build the tiny model from its config class, or its own "
             "greedy decoding fails on it (the error shown); the test says so and skips it.",
             "",
-            "| mapping | exact | refused | not built |",
-            "|---|---|---|---|",
+            "| mapping | exact | of which in chain steps | refused | not built |",
+            "|---|---|---|---|---|",
             *summary,
             "",
             "| mapping | architecture | class | verdict | why |",

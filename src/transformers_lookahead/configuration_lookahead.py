@@ -332,7 +332,7 @@ def validate_lookahead_setup(
         )
     if model_kwargs.get("cache") is None:
         raise ValueError(
-            f"{type(model).__name__} keeps its decoding state outside Transformers' `Cache` classes (`generate` "
+            f"`{type(model).__name__}` keeps its decoding state outside Transformers' `Cache` classes (`generate` "
             "prepares no cache for it), so a lookahead step could not roll back the tokens it does not keep. "
             "Lookahead decoding is not available for this architecture yet: remove the `lookahead_*` settings to "
             "decode as usual."

@@ -20,7 +20,7 @@ from transformers.utils import logging
 from .compatibility import attention_implementation
 from .cost_model import COST_GRID, StepCostModel
 from .step_forward import StepForward, max_positions
-from .step_layout import StepInputs, StepLayout
+from .step_layout import ChainLayout, StepInputs, StepLayout
 from .token_tree import TokenTree
 
 logger = logging.get_logger(__name__)
@@ -53,13 +53,14 @@ def default_cost_dir() -> Path | None:
 
 
 def load_or_measure(
-    model: PreTrainedModel, cost_dir: str | os.PathLike | None = None, encoder_outputs: Any = None
+    model: PreTrainedModel, cost_dir: str | os.PathLike | None = None, encoder_outputs: Any = None, chain: bool = False
 ) -> StepCostModel:
     """
     The cost table of `model` on its device, dtype and thread count: read from `cost_dir`, or measured (a few
     dozen forward passes) and written there (`None`: no file). An unreadable, corrupt or foreign file is measured
     again; a directory that cannot be written only means the next process measures again (a warning says so).
-    Encoder-decoder models' decoders attend to `encoder_outputs`, of one input, while timed.
+    Encoder-decoder models' decoders attend to `encoder_outputs`, of one input, while timed; a model that decodes
+    in chain steps (`chain`) is timed in chain steps.
     """
     path = None if cost_dir is None else Path(cost_dir) / f"step-cost-{model_key(model)}.json"
     if path is not None:
@@ -76,7 +77,7 @@ def load_or_measure(
         f"once); the table is kept {f'in {path}' if path is not None else 'in memory only'}. To measure ahead of "
         "the first call (a server: before it starts), run `LookaheadState().cost_model(model)` once."
     )
-    costs = measure_step_costs(model, encoder_outputs=encoder_outputs)
+    costs = measure_step_costs(model, encoder_outputs=encoder_outputs, chain=chain)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,13 +109,13 @@ def model_key(model: PreTrainedModel) -> str:
 
 @torch.no_grad()
 def measure_step_costs(
-    model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID, encoder_outputs: Any = None
+    model: PreTrainedModel, grid: tuple[int, ...] = COST_GRID, encoder_outputs: Any = None, chain: bool = False
 ) -> dict[int, float]:
     """
-    Times forward passes of every step length over a `_CONTEXT`-token cache, with a custom 4D mask and every row's
-    logits (as a lookahead step has), in `_ROUNDS` rounds of one pass per length; returns, per length, the median
-    over rounds of its time over the one-token time of the same round, made non-decreasing in the length. `grid`
-    starts at 1; `encoder_outputs` as for `load_or_measure`.
+    Times forward passes of every step length over a `_CONTEXT`-token cache, with a custom 4D mask (`chain`: as a
+    chain step, `ChainLayout`) and every row's logits (as a lookahead step has), in `_ROUNDS` rounds of one pass per
+    length; returns, per length, the median over rounds of its time over the one-token time of the same round, made
+    non-decreasing in the length. `grid` starts at 1; `encoder_outputs` as for `load_or_measure`.
     """
     device = model.device
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -135,7 +136,7 @@ def measure_step_costs(
     forward(StepInputs(ids[:, :context], positions, None, torch.tensor([context - 1], device=device), [None]))
     # Sliding layers can then be cropped back after each timed step.
     cache.activate_past_recording()
-    layout = StepLayout.for_model(model, forward.decoder_cache, 1, 1)
+    layout = (ChainLayout if chain else StepLayout).for_model(model, forward.decoder_cache, 1, 1)
 
     def timed(length: int) -> float:
         step = layout.build(

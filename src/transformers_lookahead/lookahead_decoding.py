@@ -22,8 +22,8 @@ from .cost_model import COST_GRID, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
-from .step_forward import StepForward, max_positions, numbers_positions_by_slot, select_rows
-from .step_layout import RowStep, StepLayout
+from .step_forward import StepForward, generate_position_shift, max_positions, select_rows
+from .step_layout import ChainLayout, RowStep, StepLayout
 from .step_policy import (
     PolicyEstimates,
     StepChoice,
@@ -170,13 +170,13 @@ def generate(
     else:
         forward = StepForward(model, cache)
     committer = CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__)
+    chain = False
     if not model.config.is_encoder_decoder:
         # After the cache's own checks, before anything runs the model for this call (the prefill, or measuring the
-        # cost table for "auto"). A model numbering positions by slot decodes a padded row otherwise than the row
-        # alone, and so do its steps: padding needs no check there.
+        # cost table for "auto").
         attention_mask = model_kwargs.get("attention_mask")
-        padded = attention_mask is not None and not numbers_positions_by_slot(model) and not bool(attention_mask.all())
-        lookahead_state.step_check.refuse_if_failing(model, padded)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        chain = lookahead_state.step_check.refuse_if_failing(model, padded, chain_steps=True)
     decoder = LookaheadDecoder(
         model,
         config,
@@ -187,6 +187,7 @@ def generate(
         forward,
         input_ids.shape[0],
         lookahead_state,
+        chain,
     )
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
@@ -334,6 +335,8 @@ class LookaheadDecoder:
         forward (`StepForward`): runs a step through the model.
         batch_size (`int`, *optional*, defaults to 1): rows of the batch (after `num_return_sequences`).
         state (`LookaheadState`, *optional*): what earlier calls on the model learnt; a new one if unset.
+        chain (`bool`, *optional*, defaults to `False`): decode in chain steps (`ChainLayout`): for a model that
+            computes consecutive tokens as plain decoding does but cannot take a full step (`StepCheck`).
     """
 
     def __init__(
@@ -347,8 +350,10 @@ class LookaheadDecoder:
         forward: StepForward,
         batch_size: int = 1,
         state: LookaheadState | None = None,
+        chain: bool = False,
     ):
         self.model = model
+        self.chain = chain
         self.config = config
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
@@ -364,7 +369,7 @@ class LookaheadDecoder:
             first_input = None
             if forward.is_encoder_decoder:
                 first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
-            self.cost = self.state.cost_model(model, encoder_outputs=first_input)
+            self.cost = self.state.cost_model(model, encoder_outputs=first_input, chain=chain)
             if self.sync is not None:
                 self.cost = self.sync.agree(self.cost)
             batch_cost = self.cost.for_batch(batch_size)
@@ -376,7 +381,7 @@ class LookaheadDecoder:
             self.pricing = None
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = max_positions(model)
-        self.positions_by_slot = numbers_positions_by_slot(model)
+        self.position_shift = generate_position_shift(model)
         return_dict = generation_config.return_dict_in_generate
         self.keep_scores = return_dict and generation_config.output_scores
         self.keep_logits = return_dict and generation_config.output_logits
@@ -416,7 +421,9 @@ class LookaheadDecoder:
         sequences, slot_valid = self._prefill(input_ids, model_kwargs, streamer)
         self.committer.start()
         self._choose_forward(model_kwargs)
-        layout = StepLayout.for_model(self.model, self.committer.cache, self.window_size, self.config.levels)
+        layout = (ChainLayout if self.chain else StepLayout).for_model(
+            self.model, self.committer.cache, self.window_size, self.config.levels
+        )
         forward_passes = 1
         active = [sequence for sequence in sequences if not sequence.done]
         if active and len(active) < len(sequences):
@@ -437,9 +444,13 @@ class LookaheadDecoder:
             # The step's one device-to-host transfer: the model's choice at every row it kept.
             choices = read_choices(logits)
             row_choices = [step.choices_of(b, choices) for b in range(len(plans))]
-            verdicts = [
-                self._accept(plan, step.logits_of(b, logits), row_choices[b], streamer) for b, plan in enumerate(plans)
-            ]
+            verdicts = [self._verify(plan, step.logits_of(b, logits), row_choices[b]) for b, plan in enumerate(plans)]
+            if self.chain and len(plans) > 1:
+                # Chain steps leave positions to the model, which may number them by cache slot: every row keeps as
+                # many tokens (any prefix of a verdict is plain decoding's), so no row has an unused slot.
+                shortest = min(len(verdict.tokens) for verdict in verdicts)
+                verdicts = [verdict.truncated(shortest) for verdict in verdicts]
+            verdicts = [(verdict, self._keep(plan, verdict, streamer)) for plan, verdict in zip(plans, verdicts)]
             # The choices reached the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
             kept_rows = [
@@ -505,8 +516,7 @@ class LookaheadDecoder:
             if noises is not None:
                 verifier = SamplingVerifier(processors[index], noises[index])
             sequence = self._new_sequence(index, text, limit, verifier)
-            if self.positions_by_slot:
-                sequence.position_offset = padding
+            sequence.position_offset = padding if self.position_shift is None else self.position_shift
             if appended:
                 self._record(sequence, first[index : index + 1], first_scores[index : index + 1])
             sequences.append(sequence)
@@ -567,17 +577,13 @@ class LookaheadDecoder:
         return plans
 
     def _offer(self, sequence: SequenceState) -> StepOffer:
-        return offer_candidates(sequence, self.factory.sources, self.max_positions)
+        return offer_candidates(sequence, self.factory.sources, self.max_positions, self.chain)
 
-    def _accept(
-        self, plan: StepPlan, logits: torch.Tensor, choices: list[int], streamer: BaseStreamer | None
-    ) -> tuple[Verdict, int]:
-        """
-        Verifies one sequence's part of the step and appends what it accepted; returns the verdict and how many of
-        its tokens were kept (fewer where a stopping criterion or the length limit fired inside the chunk).
-        """
+    @staticmethod
+    def _verify(plan: StepPlan, logits: torch.Tensor, choices: list[int]) -> Verdict:
+        """Verifies one sequence's part of the step."""
         sequence = plan.sequence
-        verdict = sequence.verifier.verify(
+        return sequence.verifier.verify(
             logits,
             plan.choice.tree,
             plan.row.tree_row,
@@ -585,9 +591,15 @@ class LookaheadDecoder:
             sequence.limit - sequence.length,
             choices,
         )
-        kept = self._append(sequence, verdict)
-        self._stream(streamer, sequence, kept)
-        return verdict, kept
+
+    def _keep(self, plan: StepPlan, verdict: Verdict, streamer: BaseStreamer | None) -> int:
+        """
+        Appends what one sequence accepted; returns how many of its tokens were kept (fewer where a stopping
+        criterion or the length limit fired inside the chunk).
+        """
+        kept = self._append(plan.sequence, verdict)
+        self._stream(streamer, plan.sequence, kept)
+        return kept
 
     def _commit(
         self, step_length: int, kept_rows: list[list[int]], slot_valid: torch.BoolTensor | None

@@ -106,13 +106,14 @@ class LookaheadState:
         self._memories: dict[str, SuffixMemory] = {}
         self.step_check = StepCheck()
 
-    def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None) -> StepCostModel:
+    def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None, chain: bool = False) -> StepCostModel:
         """
         The step-cost table of `model` as it runs now (device, dtype, threads), measured at most once per state.
 
         Args:
             model (`PreTrainedModel`): the model this state belongs to.
             encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input.
+            chain (`bool`, *optional*): the model decodes in chain steps (`ChainLayout`), and is timed in them.
         """
         if self.step_costs is not None:
             return self.step_costs
@@ -120,7 +121,7 @@ class LookaheadState:
         # Held while measuring: a second thread would otherwise time its forward passes against the first's.
         with self._lock:
             if key not in self._costs:
-                self._costs[key] = load_or_measure(model, self.cost_dir, encoder_outputs=encoder_outputs)
+                self._costs[key] = load_or_measure(model, self.cost_dir, encoder_outputs=encoder_outputs, chain=chain)
             return self._costs[key]
 
     def recall(self, shape: tuple) -> PolicyEstimates | None:

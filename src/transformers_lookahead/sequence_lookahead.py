@@ -60,7 +60,8 @@ class SequenceLookahead:
         # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
         self.pending = tokens[-1:]
         self.accepted: list[int] = []
-        # Where the model numbers positions by cache slot, the row's left padding counts (`numbers_positions_by_slot`).
+        # Where the model numbers positions by cache slot, the row's left padding counts; where `generate` shifts its
+        # positions, the shift (`generate_position_shift`).
         self.position_offset = 0
 
     @property
@@ -72,7 +73,7 @@ class SequenceLookahead:
     def position(self) -> int:
         """
         The position of the last token: the first real token is at 0, as with left-padded plain decoding, unless the
-        model numbers positions by cache slot (`position_offset`, the row's padding).
+        model numbers positions by cache slot (`position_offset`: the row's padding) or `generate` shifts them.
         """
         return len(self.tokens) - 1 + self.position_offset
 
@@ -237,7 +238,7 @@ class LookaheadFactory:
 
 
 def offer_candidates(
-    sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None
+    sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None, chain: bool = False
 ) -> StepOffer:
     """
     A sequence's candidates for its next step, every source's proposals merged into one tree, priced by its policy
@@ -247,6 +248,8 @@ def offer_candidates(
         sequence (`SequenceLookahead`): the sequence.
         sources (`list[CandidateSource]`): where candidates come from (`candidate_sources`).
         max_positions (`int`, *optional*): the positions the model embeds, if it says.
+        chain (`bool`, *optional*): offer a chain step (`ChainLayout`): one candidate path (`TokenTree.chain`), no
+            window.
     """
     position_room = (max_positions - 1 - sequence.position) if max_positions else sequence.limit
     room = min(sequence.limit - sequence.length - 1, position_room)
@@ -254,6 +257,8 @@ def offer_candidates(
     for source in sources:
         source.propose(sequence, tree, min(source.depth, room))
     window_allowed = position_room >= sequence.window.levels + sequence.window.window - 1
+    if chain:
+        tree, window_allowed = tree.subtree(tree.chain()), False
     return sequence.policy.offer(tree, window_allowed, len(sequence.pending))
 
 

@@ -10,9 +10,13 @@ import weakref
 
 import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.utils import logging
 
-from .step_forward import StepForward, cache_argument, numbers_positions_by_slot
-from .step_layout import RowStep, StepLayout
+from .step_forward import StepForward, cache_argument, generate_position_shift
+from .step_layout import ChainLayout, RowStep, StepLayout
+from .token_tree import TokenTree
+
+logger = logging.get_logger(__name__)
 
 # How far a step's logits may be from one-token passes', as a share of the logits' spread: a pass over several tokens
 # sums in another order (last bits: about 3e-7 in fp32 on tiny Llama, Qwen3, Gemma 3, DeepSeek-V3, OLMo 2 and Phi-3;
@@ -24,6 +28,7 @@ HALF_PRECISION_TOLERANCE = 0.05
 PREFIX_LENGTH = 5
 # The widest window a model declares that `StepCheck` still checks with a step as wide (one pass of that many tokens).
 LONGEST_WINDOW_CHECKED = 1024
+REMEDY = "Lookahead decoding is not available for this model; remove the `lookahead_*` settings to decode as usual."
 
 
 class UnevenCacheError(RuntimeError):
@@ -43,8 +48,11 @@ class StepCheck:
        hidden places into a step, after a prefix as long (a window applied by place in the pass, not by position).
 
     For left-padded batches, the model's own greedy decoding of a padded row must also be the row's alone
-    (`padding_failure`). What is checked is the model's structure, so a verdict holds whatever dtype, device or
-    attention backend the model moves to later (backends that cannot take a step's mask are refused on their own).
+    (`padding_failure`): a step hides padding, as a mask must. A model that fails either may still compute a chain
+    step as plain decoding does (`chain_failure`: the step's tokens fed as plain decoding feeds several tokens, with
+    its 2D padding mask), which `generate` then decodes in chain steps (`ChainLayout`). What is checked is the
+    model's structure, so a verdict holds whatever dtype, device or attention backend the model moves to later
+    (backends that cannot take a step's mask are refused on their own).
     """
 
     def __init__(self):
@@ -60,33 +68,71 @@ class StepCheck:
         # Dropout would make every comparison fail: the check is of the model as it decodes.
         model.eval()
         try:
-            for name, check in (("steps", step_failure), ("padding", padding_failure))[: 2 if padded else 1]:
-                if name not in verdicts:
-                    verdicts[name] = check(model)
+            if "steps" not in verdicts:
+                verdicts["steps"] = step_failure(model)
+            if padded and verdicts["steps"] is None and "padding" not in verdicts:
+                # A model numbering positions by cache slot decodes a padded row otherwise than the row alone, and
+                # so do its steps, numbered alike.
+                by_slot = generate_position_shift(model) is None
+                verdicts["padding"] = None if by_slot else padding_failure(model)
+            if (verdicts["steps"] or verdicts.get("padding")) is not None and "chain" not in verdicts:
+                verdicts["chain"] = chain_failure(model)
         finally:
             model.train(training)
 
-    def refuse_if_failing(self, model: PreTrainedModel, padded: bool = False) -> None:
+    def chain_reason(self, model: PreTrainedModel) -> str | None:
+        """
+        Why `model` decodes in chain steps (what full steps fail on: any batch, else left-padded ones), or `None`
+        (full steps, refused, or not checked yet).
+        """
+        verdicts = self._verdicts.get(model, {})
+        reason = verdicts.get("steps") or verdicts.get("padding")
+        return reason if reason is not None and verdicts.get("chain") is None else None
+
+    def refuse_if_failing(self, model: PreTrainedModel, padded: bool = False, chain_steps: bool = False) -> bool:
         """
         Args:
             padded (`bool`, *optional*): whether the call's batch has left padding (then the padding check counts).
+            chain_steps (`bool`, *optional*): whether the caller can decode in chain steps (`generate` can,
+                continuous batching cannot).
+
+        Returns:
+            `bool`: whether the model decodes in chain steps only (said once in the log).
 
         Raises:
             `ValueError` naming the model's class and what it does not compute as plain decoding does.
         """
         self.check(model, padded)
         verdicts = self._verdicts[model]
-        for name in ("steps", "padding")[: 2 if padded else 1]:
-            if verdicts[name] is not None:
-                raise ValueError(verdicts[name])
+        reason = verdicts["steps"]
+        remedy = REMEDY
+        if reason is None:
+            if not padded or verdicts["padding"] is None:
+                return False
+            reason, remedy = (
+                verdicts["padding"],
+                "Decode the rows one at a time, or remove the `lookahead_*` settings.",
+            )
+        if verdicts["chain"] is not None:
+            raise ValueError(f"{reason} {verdicts['chain']} {remedy}")
+        if not chain_steps:
+            raise ValueError(
+                f"{reason} `generate` decodes it in chain steps (one candidate continuation, no window), which "
+                "continuous batching does not lay out: remove the `lookahead_*` settings to batch it continuously."
+            )
+        logger.warning_once(
+            f"{reason} Lookahead decodes it in chain steps: the pending tokens and one candidate continuation at "
+            "consecutive positions, no window, fed as plain decoding feeds several tokens."
+        )
+        return True
 
 
 def step_failure(model: PreTrainedModel) -> str | None:
-    """Why `model` cannot decode lookahead steps exactly (`StepCheck`), or `None` when it can."""
+    """
+    Why `model` cannot decode full lookahead steps exactly (`StepCheck`), a sentence naming its class, or `None` when
+    it can.
+    """
     name = type(model).__name__
-    remedy = (
-        "Lookahead decoding is not available for this model; remove the `lookahead_*` settings to decode as usual."
-    )
     vocab = model.config.get_text_config(decoder=True).vocab_size
     # Ordinary tokens from the middle of the vocabulary (the first ids are often padding or special tokens).
     ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
@@ -102,13 +148,13 @@ def step_failure(model: PreTrainedModel) -> str | None:
             branches_visible = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
             branches = _step(model, prefix, [a, b, c, d], [p, p + 1, p + 1, p + 2], branches_visible)
     except UnevenCacheError as error:
-        return f"`{name}` cannot decode lookahead steps: {error}. {remedy}"
+        return f"`{name}` cannot decode lookahead steps: {error}."
     except Exception as error:  # noqa: BLE001 - whatever the model raises on a step is the reason it is refused
-        return f"`{name}` failed on a lookahead step's forward pass ({type(error).__name__}: {error}). {remedy}"
+        return f"`{name}` failed on a lookahead step's forward pass ({type(error).__name__}: {error})."
     if not _close(chain, plain_b, model.dtype):
         return (
             f"`{name}` computes a pass over several tokens otherwise than one token per pass (checked on a two-token "
-            f"step before decoding), so a step's tokens would not be plain greedy's. {remedy}"
+            "step before decoding), so a step's tokens would not be plain greedy's."
         )
     if _close(branches, torch.cat([plain_b, plain_cd[1:]]), model.dtype):
         far = _farthest_window(model)
@@ -130,7 +176,7 @@ def step_failure(model: PreTrainedModel) -> str | None:
         return (
             f"`{name}` applies an attention window of its own inside the pass (by a token's place in the pass, or "
             f"by choosing among the pass's keys): a token {far + 1} places into a step no longer sees the keys one "
-            f"position back, so a step wider than its window would decode other tokens. {remedy}"
+            "position back, so a step wider than its window would decode other tokens."
         )
     with torch.no_grad():
         # What the model makes of a hidden key and of a moved position, against the chain `a b c`.
@@ -146,12 +192,45 @@ def step_failure(model: PreTrainedModel) -> str | None:
     if not ignored:
         return (
             f"{cannot}: its logits differ from one-token passes' given a position and a mask that one-token passes "
-            f"never see. {remedy}"
+            "never see."
         )
     return (
         f"{cannot}: it ignores {' and '.join(ignored)}. A step places branches side by side at chosen positions, each "
-        f"hidden from the others by the mask. {remedy}"
+        "hidden from the others by the mask."
     )
+
+
+def chain_failure(model: PreTrainedModel) -> str | None:
+    """
+    Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can: three tokens
+    after a prefix fed as one chain step against the same tokens fed one per pass. The prefix is longer than the
+    widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so that a model choosing among the
+    pass's keys for its window (Doge) chooses otherwise than in one-token passes.
+    """
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
+    prefix, tokens = ids[:PREFIX_LENGTH], ids[PREFIX_LENGTH:]
+    far = _farthest_window(model)
+    if far is not None:
+        prefix = [ids[index % PREFIX_LENGTH] for index in range(far + 2)]
+    try:
+        with torch.no_grad():
+            plain = _one_token_passes(model, prefix, tokens)
+            cache = _prefilled(model, prefix)
+            layout = ChainLayout.for_model(model)
+            tree = TokenTree()
+            for depth, token in enumerate(tokens[1:], start=1):
+                tree.ensure_child(depth - 2, token, depth)
+            row = layout.row(tokens[:1], len(prefix) + (generate_position_shift(model) or 0), None, tree)
+            chain = StepForward(model, cache)(layout.build(cache, [row]))[0].float()
+    except Exception as error:  # noqa: BLE001 - whatever the model raises on a chain step is why it is refused
+        return f"It also fails on a chain step ({type(error).__name__}: {error})."
+    held = cache.get_seq_length()
+    if held != len(prefix) + len(tokens):
+        return f"Its cache also holds {held} entries after {len(prefix) + len(tokens)} tokens in a chain step."
+    if not _close(chain, plain, model.dtype):
+        return "A chain step of three tokens also gives other logits than three one-token passes."
+    return None
 
 
 def padding_failure(model: PreTrainedModel) -> str | None:
@@ -189,8 +268,8 @@ def padding_failure(model: PreTrainedModel) -> str | None:
         return None
     return (
         f"`{type(model).__name__}`'s own greedy decoding of a left-padded row differs from the row alone (the "
-        "model treats padding as text), so lookahead, which hides padding, cannot give its output for a left-padded "
-        "batch. Decode the rows one at a time, or remove the `lookahead_*` settings."
+        "model treats padding as text), so a lookahead step, which hides padding, cannot give its output for a "
+        "left-padded batch."
     )
 
 
@@ -214,10 +293,13 @@ def _farthest_window(model: PreTrainedModel) -> int | None:
 def _plain_pass(model: PreTrainedModel, tokens: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
     """
     One pass of plain decoding over `tokens` from position `start`: position ids as `generate` prepares them (none
-    for a model that numbers positions itself, `numbers_positions_by_slot`). Returns the last token's logits.
+    for a model that numbers positions itself, shifted as its preparation shifts them: `generate_position_shift`).
+    Returns the last token's logits.
     """
     kwargs = {cache_argument(model): cache, "use_cache": True}
-    if not numbers_positions_by_slot(model):
+    shift = generate_position_shift(model)
+    if shift is not None:
+        start += shift
         kwargs["position_ids"] = torch.arange(start, start + len(tokens), device=model.device)[None]
     return model(input_ids=torch.tensor([tokens], device=model.device), **kwargs).logits[0, -1].float()
 
@@ -237,13 +319,16 @@ def _one_token_passes(model: PreTrainedModel, prefix: list[int], tokens: list[in
 def _step(
     model: PreTrainedModel, prefix: list[int], tokens: list[int], positions: list[int], visible: list[list[int]]
 ) -> torch.Tensor:
-    """The logits of every token of one step after `prefix`, laid out and fed as lookahead steps are."""
+    """
+    The logits of every token of one step after `prefix`, laid out and fed as lookahead steps are (`positions` from 0
+    for the first token of the prefix, shifted as `generate` shifts them).
+    """
     cache = _prefilled(model, prefix)
     device = model.device
     row = RowStep(
         tokens,
         torch.tensor(tokens, device=device),
-        torch.tensor(positions, device=device),
+        torch.tensor(positions, device=device) + (generate_position_shift(model) or 0),
         torch.tensor(visible, dtype=torch.bool, device=device),
         list(range(len(tokens))),
         1,

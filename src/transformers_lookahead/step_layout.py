@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -84,7 +84,8 @@ class StepInputs:
 
     Args:
         input_ids (`torch.LongTensor` of shape `(batch, T)`): each row's `RowStep` tokens, padded to T.
-        position_ids (`torch.LongTensor` of shape `(batch, T)`).
+        position_ids (`torch.LongTensor` of shape `(batch, T)`, or `None` for chain steps of a model that numbers
+            positions itself, see `ChainLayout`).
         attention_mask (`torch.Tensor`, `BlockMask`, a dict of them, or `None`): additive float masks of shape
             `(batch, 1, T, kv_length)` (flex attention: `BlockMask`s of that shape), one per attention layer type
             when the model mixes full and sliding layers; `None` for a single-token step of one unpadded sequence,
@@ -95,7 +96,7 @@ class StepInputs:
     """
 
     input_ids: torch.LongTensor
-    position_ids: torch.LongTensor
+    position_ids: torch.LongTensor | None
     attention_mask: torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask] | None
     logits_rows: torch.LongTensor
     row_logits: list[list[int] | None]
@@ -354,15 +355,25 @@ class StepLayout:
             logits_rows = torch.arange(length, device=device)
             row_logits = [row.logits_rows for row in rows]
 
-        held = seq_length or cache.get_seq_length
-        if isinstance(self.groups, AttentionGroup):
-            attention_mask = self._mask(cache, held, self.groups, visible, positions, slot_valid)
-        else:
-            attention_mask = {
-                name: self._mask(cache, held, group, visible, positions, slot_valid)
-                for name, group in self.groups.items()
-            }
+        attention_mask = self._attention_mask(
+            cache, seq_length or cache.get_seq_length, visible, positions, slot_valid
+        )
         return StepInputs(input_ids, positions, attention_mask, logits_rows, row_logits)
+
+    def _attention_mask(
+        self,
+        cache,
+        held: Callable[[int], int],
+        visible: torch.Tensor,
+        positions: torch.Tensor,
+        slot_valid: torch.BoolTensor | None,
+    ) -> torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask]:
+        """The step's masks: one, or one per attention layer type (see `StepInputs.attention_mask`)."""
+        if isinstance(self.groups, AttentionGroup):
+            return self._mask(cache, held, self.groups, visible, positions, slot_valid)
+        return {
+            name: self._mask(cache, held, group, visible, positions, slot_valid) for name, group in self.groups.items()
+        }
 
     def _rows(self, rows: list[int]) -> torch.LongTensor:
         """The logits rows to keep, on the device: the last row alone (a one-token step) is built once."""
@@ -408,6 +419,61 @@ class StepLayout:
         if self.mask_format == "block":
             return block_mask(mask == 0)
         return mask[:, None]
+
+
+class ChainLayout(StepLayout):
+    """
+    Lays out chain steps, for models that compute a pass over several consecutive tokens as plain decoding computes
+    them one at a time but cannot take a full step (`StepCheck`): the pending tokens, then one candidate continuation,
+    at consecutive positions, no window. The attention mask is the 2D padding mask plain decoding passes (none for
+    one unpadded sequence), from which the model builds its own causal, sliding or chunked masks, with any attention
+    backend; a model that ignores `position_ids` and numbers tokens by cache slot is then fed exactly as plain
+    decoding feeds it, provided every sequence of a batch keeps as many tokens per step (no unused slots).
+
+    Args:
+        dtype (`torch.dtype`): the model's dtype.
+        device (`torch.device`): where the step tensors live.
+        pass_positions (`bool`, *optional*, defaults to `True`): whether steps carry `position_ids`; not for a model
+            `generate` leaves to number positions itself (`generate_position_shift`), as plain decoding does.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, pass_positions: bool = True):
+        super().__init__(0, 0, AttentionGroup(0, None), dtype, device)
+        self.pass_positions = pass_positions
+
+    @classmethod
+    def for_model(
+        cls, model: PreTrainedModel, cache: Cache | None = None, window: int = 0, levels: int = 0
+    ) -> ChainLayout:
+        """The chain layout for `model` (a chain step has no window, so `cache`, `window` and `levels` are unused)."""
+        from .step_forward import generate_position_shift
+
+        return cls(model.dtype, model.device, pass_positions=generate_position_shift(model) is not None)
+
+    def build(self, cache, rows: list[RowStep], *args, **kwargs) -> StepInputs:
+        """As `StepLayout.build`, without position ids where the model numbers positions itself."""
+        step = super().build(cache, rows, *args, **kwargs)
+        return step if self.pass_positions else replace(step, position_ids=None)
+
+    def row(self, pending: list[int], position: int, window_tokens: list[int] | None, tree: TokenTree) -> RowStep:
+        """A chain step's row: `pending` and `tree`, which must be a single path, and no window."""
+        if window_tokens is not None or any(parent != node - 1 for node, parent in enumerate(tree.parents)):
+            raise ValueError("A chain step holds one candidate continuation (a single path) and no window.")
+        return super().row(pending, position, None, tree)
+
+    def _attention_mask(
+        self,
+        cache,
+        held: Callable[[int], int],
+        visible: torch.Tensor,
+        positions: torch.Tensor,
+        slot_valid: torch.BoolTensor | None,
+    ) -> torch.LongTensor | None:
+        if slot_valid is None:
+            return None
+        # Tokens padding a shorter row come after its own: causal masking already hides them from it.
+        step = torch.ones(positions.shape, dtype=torch.long, device=self.device)
+        return torch.cat([slot_valid.long(), step], dim=1)
 
 
 def block_mask(allowed: torch.BoolTensor) -> BlockMask:

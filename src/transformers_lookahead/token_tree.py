@@ -110,6 +110,20 @@ class TokenTree:
             self.children[node + 1][token] = child
         return child
 
+    def chain(self) -> list[int]:
+        """
+        One path down from the key, top down: at each node the child the most continuations pass through (pooled,
+        remembered, or copied from the context), the first added on a tie. What a chain step verifies.
+        """
+        path, node = [], -1
+        while self.children[node + 1]:
+            node = max(
+                self.children[node + 1].values(),
+                key=lambda child: (self.counts[child] + self.memory_counts[child] + self.in_context[child], -child),
+            )
+            path.append(node)
+        return path
+
     def context_path(self) -> list[int]:
         """The nodes flagged `in_context`, from the top down."""
         return [node for node, flagged in enumerate(self.in_context) if flagged]

@@ -83,6 +83,10 @@ class Verdict:
     logits: list[torch.Tensor]
     scores: list[torch.Tensor]
 
+    def truncated(self, length: int) -> Verdict:
+        """The first `length` (>= 1) tokens: every accepted token is plain decoding's, so any prefix is too."""
+        return Verdict(self.tokens[:length], self.nodes[: length - 1], self.logits[:length], self.scores[:length])
+
 
 class GreedyVerifier:
     """
