@@ -22,8 +22,8 @@ from .cost_model import COST_GRID, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
-from .step_forward import StepForward, generate_position_shift, max_positions, select_rows
-from .step_layout import ChainLayout, RowStep, StepLayout
+from .step_forward import StepForward, max_positions, select_rows
+from .step_layout import ChainLayout, RowStep, StepLayout, generate_position_shift
 from .step_policy import (
     PolicyEstimates,
     StepChoice,

@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.utils import logging
 
-from .step_forward import StepForward, cache_argument, generate_position_shift
-from .step_layout import ChainLayout, RowStep, StepLayout
+from .step_forward import StepForward, cache_argument
+from .step_layout import ChainLayout, RowStep, StepLayout, generate_position_shift
 from .token_tree import TokenTree
 
 logger = logging.get_logger(__name__)

@@ -105,32 +105,6 @@ class StepForward:
         return logits if self.slices_logits else logits[:, step.logits_rows]
 
 
-def generate_position_shift(model: PreTrainedModel) -> int | None:
-    """
-    How `generate` numbers a decoder-only model's positions, so that lookahead steps number them alike: `None` where
-    the model numbers them itself, by cache slot with left padding included (`generate` prepares position ids only
-    for a forward that names them, which Whisper's decoder as a causal LM does not, and the model's own
-    `prepare_inputs_for_generation` may drop them: Exaone 4.5); else what that preparation adds to the position ids
-    `generate` prepared (0; 1 for PaliGemma, whose positions start at 1).
-    """
-    if model.config.is_encoder_decoder:
-        return 0
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return None
-    ids = torch.zeros((1, 2), dtype=torch.long, device=model.device)
-    prepared = torch.arange(2, device=model.device)[None]
-    try:
-        inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), position_ids=prepared)
-    except Exception:  # noqa: BLE001 - a preparation that needs more inputs (images) passes generate's own ids on
-        return 0
-    positions = inputs.get("position_ids")
-    if positions is None:
-        return None
-    shift = positions.reshape(-1, 2)[0] - prepared[0]
-    # A preparation that computes positions otherwise (multimodal rotary ids) is left to its model's own steps.
-    return int(shift[0]) if bool((shift == shift[0]).all()) else 0
-
-
 def select_rows(encoder_outputs: Any, indices: torch.Tensor) -> Any:
     """The batch rows `indices`, in that order, of encoder outputs (a `ModelOutput` or a tuple of tensors)."""
 
