@@ -40,6 +40,9 @@ SIZE_RULES: tuple[tuple[str, int], ...] = (
     (r"max_position_embeddings$|^n_positions$|^n_ctx$", 512),
     (r"(sliding_window|attention_chunk_size|window_size|window_len|local_window)", 8),
     (r"index_topk$", 4),
+    # State-space layers: the state's size, and the chunks their scan runs over a pass in.
+    (r"(d_state|ssm_state_size)$", 16),
+    (r"chunk_size$", 16),
 )
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 # Size fields a config class may leave unset (`None`) for its model to derive, which some models do not: these take
@@ -79,6 +82,10 @@ def shrink(config: PretrainedConfig, layers: bool = True) -> PretrainedConfig:
     if "qk_rope_head_dim" in vars(config):
         _set(config, "head_dim", config.qk_rope_head_dim)
         _set(config, "qk_head_dim", config.qk_rope_head_dim + vars(config).get("qk_nope_head_dim", 0))
+    fields = vars(config)
+    if all(isinstance(fields.get(name), int) for name in ("expand", "hidden_size", "num_heads", "head_dim")):
+        # A state-space mixer's heads fill its expanded width (Mamba-2).
+        _set(config, "num_heads", max(1, config.expand * config.hidden_size // config.head_dim))
     for name in ("rotary_dim", "rotary_emb_dim"):
         if isinstance(vars(config).get(name), int):
             _set(config, name, 8)

@@ -230,3 +230,67 @@ class EntryMovesTest(unittest.TestCase):
                 # Entries before `start` and past what moved stay as they were.
                 self.assertTrue(torch.equal(moved[b, :, :start], expected[b, :, :start]))
                 self.assertTrue(torch.equal(moved[b, :, start + width :], expected[b, :, start + width :]))
+
+
+def _tiny_hybrid(model_type: str = "qwen3_next", class_name: str = "Qwen3NextForCausalLM"):
+    """A tiny random hybrid model from Transformers' own config class (`tests/model_zoo.py`)."""
+    from .model_zoo import Architecture, build
+
+    return build(Architecture(model_type, class_name, "causal_lm"))
+
+
+def _prefilled_cache(model, prompt):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt, **{cache_argument(model): cache}, use_cache=True)
+    return cache
+
+
+class RecurrentStatesTest(unittest.TestCase):
+    @parameterized.expand([("qwen3_next", "Qwen3NextForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM")])
+    def test_an_undone_step_leaves_the_model_as_before_it(self, model_type, class_name):
+        model = _tiny_hybrid(model_type, class_name)
+        prompt = random_prompt(12, seed=2)
+        step, after = random_prompt(4, seed=3), random_prompt(2, seed=4)
+        kwargs = {"use_cache": True}
+        cache = _prefilled_cache(model, prompt)
+        with torch.no_grad():
+            expected = model(input_ids=after, **{cache_argument(model): cache}, **kwargs).logits
+        cache = _prefilled_cache(model, prompt)
+        committer = CacheCommitter(cache)
+        committer.start()
+        self.assertIsNotNone(committer.states)
+        self.assertTrue(committer.chain_only)
+        committer.before_step(feeds_guesses=True)
+        with torch.no_grad():
+            model(input_ids=step, **{cache_argument(model): cache}, **kwargs)
+        committer.undo(step.shape[1])
+        with torch.no_grad():
+            again = model(input_ids=after, **{cache_argument(model): cache}, **kwargs).logits
+        self.assertTrue(torch.equal(again, expected), "states put back and entries cropped: the same pass")
+
+    def test_a_kept_step_must_keep_every_token(self):
+        model = _tiny_hybrid()
+        cache = _prefilled_cache(model, random_prompt(12, seed=2))
+        committer = CacheCommitter(cache)
+        committer.start()
+        committer.before_step(feeds_guesses=True)
+        with torch.no_grad():
+            model(input_ids=random_prompt(3, seed=3), **{cache_argument(model): cache}, use_cache=True)
+        with self.assertRaisesRegex(RuntimeError, "must be undone"):
+            committer.commit(3, [[0, 1]])
+        self.assertEqual(committer.commit(3, [[0, 1, 2]]), 3)
+
+    def test_keeping_batch_rows_selects_the_recurrent_states_too(self):
+        from transformers_lookahead.cache_commit import keep_cache_rows
+
+        model = _tiny_hybrid()
+        prompts = torch.cat([random_prompt(8, seed=5), random_prompt(8, seed=6)])
+        cache = _prefilled_cache(model, prompts)
+        alone = _prefilled_cache(model, prompts[1:])
+        keep_cache_rows(cache, torch.tensor([1]))
+        after = random_prompt(2, seed=7)
+        with torch.no_grad():
+            selected = model(input_ids=after, **{cache_argument(model): cache}, use_cache=True).logits
+            expected = model(input_ids=after, **{cache_argument(model): alone}, use_cache=True).logits
+        torch.testing.assert_close(selected, expected, rtol=1e-5, atol=1e-5)

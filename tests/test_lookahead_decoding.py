@@ -175,6 +175,44 @@ class ChainStepsTest(unittest.TestCase):
         self.assertEqual(len(lengths), out.num_forward_passes)
 
 
+class RecurrentChainStepsTest(unittest.TestCase):
+    """Hybrid models (linear-attention and state-space layers beside attention) and indexed attention, in chain steps."""
+
+    @parameterized.expand(
+        [
+            ("qwen3_next", "Qwen3NextForCausalLM", True),
+            ("inkling_text", "InklingForCausalLM", True),
+            ("zaya", "ZayaForCausalLM", True),
+            ("deepseek_v32", "DeepseekV32ForCausalLM", False),
+        ]
+    )
+    def test_identical_to_greedy_with_steps_kept_and_undone(self, model_type, class_name, recurrent):
+        from .model_zoo import Architecture, build
+
+        steps = []
+
+        def observe(choice, row, verdict):
+            steps.append((row.pending_length, len(choice.tree), len(verdict.nodes)))
+
+        model = enable_lookahead(
+            build(Architecture(model_type, class_name, "causal_lm")), flat_state(step_observer=observe)
+        )
+        prompts = [random_prompt(21, seed=0), random_prompt(9, seed=1)]
+        # As in `ChainStepsTest`: remembered text makes steps accept several tokens, the batch's rows differently.
+        calls = [{"input_ids": prompts[0]}, {"input_ids": prompts[0]}, left_padded(prompts), {"input_ids": prompts[1]}]
+        for settings in ({"lookahead_window": 4, "lookahead_ngram": 3, "lookahead_guess": 4}, MEMORY):
+            for inputs in calls:
+                plain = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=0)
+                out = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=0, **settings)
+                self.assertTrue(torch.equal(out, plain), f"{settings}, {inputs['input_ids'].shape}")
+        self.assertTrue(any(tree and matched == tree for _, tree, matched in steps), "a step kept all it verified")
+        undone = [pending for pending, _, _ in steps if pending > 1]
+        if recurrent:
+            self.assertTrue(undone, "a step was undone and its tokens fed again")
+        else:
+            self.assertEqual(undone, [], "entries per token: rejected ones are cropped, nothing is fed again")
+
+
 class ModelDeviceTest(unittest.TestCase):
     """Every tensor the decoding loop makes goes to the model's device or, on purpose, to the host."""
 

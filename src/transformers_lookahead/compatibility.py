@@ -24,8 +24,14 @@ from transformers import (
 )
 from transformers.cache_utils import (
     CacheLayerMixin,
+    DummyLayer,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
@@ -57,6 +63,16 @@ PER_REQUEST_WARPERS = {
 
 # Cache layer classes whose `crop` puts them back as they were before a step (see `CacheCommitter`).
 ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)
+# Layers that a chain step's commit, which keeps the step's entries in place, rolls back through their own `crop` (an
+# indexed layer crops its indexer's keys with its own), though a full step's entry moves could not move them.
+CHAIN_ROLLBACK_LAYERS = (DynamicIndexedLayer,)
+# Layers holding running (linear-attention, state-space, convolution) states, which `RecurrentStates` keeps before a
+# step and puts back; the hybrid ones also hold keys and values in a dynamic attention part.
+RECURRENT_LAYERS = (
+    LinearAttentionLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+)
 
 
 def prefill(
@@ -118,6 +134,46 @@ def layer_step_start(layer: CacheLayerMixin, step_length: int) -> int:
         # Static buffers: the step was written right after the tokens already held.
         return layer.get_seq_length() - step_length
     return layer.keys.shape[-2] - step_length
+
+
+def is_shared_layer(layer: Any) -> bool:
+    """Whether the layer holds nothing of its own: it reads another layer's keys and values (Gemma 3n's `DummyLayer`)."""
+    return isinstance(layer, DummyLayer)
+
+
+def recurrent_state_tensors(layer: LinearAttentionCacheLayerMixin) -> dict[str, Any]:
+    """
+    What a recurrent layer's running state is made of: its convolution and recurrent states, whether it has seen a
+    token, and the count of tokens it has seen (5.25; 5.24 keeps none).
+    """
+    state = {
+        "conv_states": dict(layer.conv_states),
+        "recurrent_states": dict(layer.recurrent_states),
+        "has_previous_state": dict(layer.has_previous_state),
+    }
+    if hasattr(layer, "cumulative_length_linear"):
+        state["cumulative_length_linear"] = layer.cumulative_length_linear
+    return state
+
+
+def forget_recorded_past(layer: LinearAttentionCacheLayerMixin) -> None:
+    """
+    A recurrent layer recording its past (a hybrid sliding layer records for its window's sake) keeps growing
+    convolution states and a history of recurrent states until a `crop`: back to what one step needs.
+    """
+    if not layer.record_past:
+        return
+    for index, conv in layer.conv_states.items():
+        if conv is not None and layer.conv_kernel_size[index] is not None:
+            layer.conv_states[index] = conv[..., -layer.conv_kernel_size[index] :]
+    if hasattr(layer, "recurrent_states_history"):
+        layer.recurrent_states_history = {index: [] for index in range(layer.number_of_states)}
+
+
+def crop_attention_part(layer: CacheLayerMixin, tokens_to_remove: int) -> None:
+    """`crop` of a recurrent hybrid layer's attention part alone (its recurrent part is put back by `RecurrentStates`)."""
+    part = DynamicSlidingWindowLayer if isinstance(layer, DynamicSlidingWindowLayer) else DynamicLayer
+    part.crop(layer, tokens_to_remove)
 
 
 def length_on_device(layer: CacheLayerMixin) -> bool:

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.utils import logging
 
+from .cache_commit import CacheCommitter
 from .compatibility import attention_implementation
 from .cost_model import COST_GRID, StepCostModel
 from .step_forward import StepForward, max_positions
@@ -134,8 +135,9 @@ def measure_step_costs(
     forward = StepForward(model, cache, encoder_outputs)
     positions = torch.arange(context, device=device)[None]
     forward(StepInputs(ids[:, :context], positions, None, torch.tensor([context - 1], device=device), [None]))
-    # Sliding layers can then be cropped back after each timed step.
-    cache.activate_past_recording()
+    # Every timed step is then undone, recurrent states included (kept before the timer starts).
+    committer = CacheCommitter(forward.decoder_cache, owner=type(model).__name__)
+    committer.start()
     layout = (ChainLayout if chain else StepLayout).for_model(model, forward.decoder_cache, 1, 1)
 
     def timed(length: int) -> float:
@@ -144,12 +146,13 @@ def measure_step_costs(
             [layout.row(host_ids[0, context : context + length].tolist(), context + length - 1, None, TokenTree())],
             fixed_length=length,
         )
+        committer.before_step(feeds_guesses=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         forward(step).argmax(-1).tolist()
         elapsed = time.perf_counter() - start
-        cache.crop(-length)
+        committer.undo(length)
         return elapsed
 
     for length in grid[:_WARM_UP]:

@@ -177,6 +177,8 @@ def generate(
         attention_mask = model_kwargs.get("attention_mask")
         padded = attention_mask is not None and not bool(attention_mask.all())
         chain = lookahead_state.step_check.refuse_if_failing(model, padded, chain_steps=True)
+        # The check classifies the layers of the model's default cache; a call's own cache decides too.
+        chain = chain or committer.chain_only
     decoder = LookaheadDecoder(
         model,
         config,
@@ -428,7 +430,10 @@ class LookaheadDecoder:
         active = [sequence for sequence in sequences if not sequence.done]
         if active and len(active) < len(sequences):
             slot_valid = self._keep_running(active, sequences, slot_valid)
-        refeed, observer = self.config.cache_commit == "refeed", self.state.step_observer
+        # Recurrent states cannot keep part of a step: its entries are kept whole ("gather") or the step is undone.
+        recurrent = self.committer.states is not None
+        strategy = "gather" if recurrent else self.config.cache_commit
+        refeed, observer = strategy == "refeed", self.state.step_observer
         while True:
             plans = self._plan(active, layout) if active else []
             if self.sync is not None:
@@ -438,6 +443,7 @@ class LookaheadDecoder:
                 break
             rows = [plan.row for plan in plans]
             step = layout.build(self.committer.cache, rows, slot_valid, self._bucket(plans), self.committer.seq_length)
+            self.committer.before_step(feeds_guesses=any(row.pending_length < step.length for row in rows))
             started = time.perf_counter()
             logits = self.forward(step)
             forward_passes += 1
@@ -454,13 +460,28 @@ class LookaheadDecoder:
             # The choices reached the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
             kept_rows = [
-                plan.row.kept_rows(verdict.nodes[: kept - 1], self.config.cache_commit)
+                plan.row.kept_rows(verdict.nodes[: kept - 1], strategy)
                 for plan, (verdict, kept) in zip(plans, verdicts)
             ]
-            slot_valid = self._commit(step.length, kept_rows, slot_valid)
+            # A recurrent state holds every token the step fed: unless every row keeps them all, the step is undone
+            # and its accepted tokens are fed again.
+            undone = recurrent and any(rows != list(range(step.length)) for rows in kept_rows)
+            if undone:
+                self.committer.undo(step.length)
+            else:
+                slot_valid = self._commit(step.length, kept_rows, slot_valid)
             for plan, (verdict, kept), choices_of_row in zip(plans, verdicts, row_choices):
                 learn_from_step(
-                    plan.sequence, plan.choice, plan.row, verdict, kept, choices_of_row, self.config, refeed, observer
+                    plan.sequence,
+                    plan.choice,
+                    plan.row,
+                    verdict,
+                    kept,
+                    choices_of_row,
+                    self.config,
+                    refeed,
+                    observer,
+                    undone=undone,
                 )
             if self.pricing is not None and self.pricing.timed:
                 self.pricing.observe(step.length, elapsed)

@@ -77,12 +77,14 @@ class SequenceLookahead:
         """
         return len(self.tokens) - 1 + self.position_offset
 
-    def advance(self, kept: int, config: LookaheadConfig, refeed: bool = False) -> None:
+    def advance(self, kept: int, config: LookaheadConfig, refeed: bool = False, undone: bool = False) -> None:
         """
-        Moves past `kept` tokens just appended to the text: what the next step feeds first (the last token, or all
-        `kept` again where `refeed`), and the n-grams they completed for the pool.
+        Moves past `kept` tokens just appended to the text: what the next step feeds first (the last token, all `kept`
+        again where `refeed`, or this step's pending tokens and the `kept` ones where the step was `undone`), and the
+        n-grams they completed for the pool.
         """
-        self.pending = self.tokens[-(kept if refeed else 1) :]
+        fed_again = len(self.pending) + kept if undone else (kept if refeed else 1)
+        self.pending = self.tokens[-fed_again:]
         if config.pool_from_prompt:
             self.pool.add_sequence(self.tokens, first_key=len(self.tokens) - kept - config.levels)
 
@@ -272,6 +274,7 @@ def learn_from_step(
     config: LookaheadConfig,
     refeed: bool = False,
     observer: Callable[[StepChoice, RowStep, Verdict], None] | None = None,
+    undone: bool = False,
 ) -> None:
     """
     Moves a sequence past a step that kept `kept` of its verified tokens (already appended to its text): what its
@@ -288,6 +291,8 @@ def learn_from_step(
         refeed (`bool`): whether the next step feeds the kept tokens again (`"refeed"` cache commits) rather than
             the last one only.
         observer (`Callable`, *optional*): told of the step (`LookaheadState.step_observer`).
+        undone (`bool`, *optional*): whether the step was undone (`CacheCommitter.undo`), so that the next one feeds
+            its pending tokens and the kept ones again.
     """
     if observer is not None:
         observer(choice, row, verdict)
@@ -296,4 +301,4 @@ def learn_from_step(
     if row.window_used:
         for ngram in sequence.window.update(row.window_top(choices)):
             sequence.pool.add(ngram[0], ngram[1:], from_window=True)
-    sequence.advance(kept, config, refeed)
+    sequence.advance(kept, config, refeed, undone)

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.utils import logging
 
+from .cache_commit import CacheCommitter, chain_only_reason, token_count
 from .step_forward import StepForward, cache_argument
 from .step_layout import ChainLayout, RowStep, StepLayout, generate_position_shift
 from .token_tree import TokenTree
@@ -69,7 +70,8 @@ class StepCheck:
         model.eval()
         try:
             if "steps" not in verdicts:
-                verdicts["steps"] = step_failure(model)
+                layers = chain_only_reason(type(model).__name__, DynamicCache(config=model.config))
+                verdicts["steps"] = layers or step_failure(model)
             if padded and verdicts["steps"] is None and "padding" not in verdicts:
                 # A model numbering positions by cache slot decodes a padded row otherwise than the row alone, and
                 # so do its steps, numbered alike.
@@ -205,7 +207,9 @@ def chain_failure(model: PreTrainedModel) -> str | None:
     Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can: three tokens
     after a prefix fed as one chain step against the same tokens fed one per pass. The prefix is longer than the
     widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so that a model choosing among the
-    pass's keys for its window (Doge) chooses otherwise than in one-token passes.
+    pass's keys for its window (Doge) chooses otherwise than in one-token passes. Where the cache holds recurrent
+    states, the step is then undone (`CacheCommitter.undo`) and its tokens fed again one per pass: a state the model
+    keeps beyond the cache's would show there.
     """
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
@@ -217,19 +221,32 @@ def chain_failure(model: PreTrainedModel) -> str | None:
         with torch.no_grad():
             plain = _one_token_passes(model, prefix, tokens)
             cache = _prefilled(model, prefix)
+            committer = CacheCommitter(cache, owner=type(model).__name__)
+            committer.start()
+            committer.before_step(feeds_guesses=True)
             layout = ChainLayout.for_model(model)
             tree = TokenTree()
             for depth, token in enumerate(tokens[1:], start=1):
                 tree.ensure_child(depth - 2, token, depth)
             row = layout.row(tokens[:1], len(prefix) + (generate_position_shift(model) or 0), None, tree)
             chain = StepForward(model, cache)(layout.build(cache, [row]))[0].float()
+            held = token_count(cache)
+            again = None
+            if committer.states is not None:
+                committer.undo(len(tokens))
+                start = len(prefix)
+                again = torch.stack([_plain_pass(model, [token], start + i, cache) for i, token in enumerate(tokens)])
     except Exception as error:  # noqa: BLE001 - whatever the model raises on a chain step is why it is refused
         return f"It also fails on a chain step ({type(error).__name__}: {error})."
-    held = cache.get_seq_length()
     if held != len(prefix) + len(tokens):
         return f"Its cache also holds {held} entries after {len(prefix) + len(tokens)} tokens in a chain step."
     if not _close(chain, plain, model.dtype):
         return "A chain step of three tokens also gives other logits than three one-token passes."
+    if again is not None and not _close(again, plain, model.dtype):
+        return (
+            "Undoing a chain step (its recurrent states put back, its entries cropped) leaves the model otherwise "
+            "than before it: it keeps state the cache does not hold."
+        )
     return None
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache, EncoderDecoderCache
 
+from .cache_commit import keep_cache_rows
 from .grouped_attention import GROUPED_KV_FLAG, register_grouped_attention, takes_grouped_kv
 from .step_layout import StepInputs
 
@@ -77,7 +78,10 @@ class StepForward:
 
     def select(self, indices: torch.Tensor) -> None:
         """Keeps the given batch rows of the cache and the encoder inputs, in that order."""
-        self.cache.batch_select_indices(indices)
+        if isinstance(self.cache, EncoderDecoderCache):
+            self.cache.batch_select_indices(indices)
+        else:
+            keep_cache_rows(self.cache, indices)
         if self.is_encoder_decoder:
             self.encoder_outputs = select_rows(self.encoder_outputs, indices)
             if self.encoder_attention_mask is not None:
