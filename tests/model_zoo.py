@@ -30,6 +30,7 @@ SIZE_RULES: tuple[tuple[str, int], ...] = (
     (r"^(num_attention_heads|n_head|n_heads|num_heads|decoder_attention_heads|encoder_attention_heads)$", 4),
     (r"(num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num)$", 2),
     (r"^head_dim$", 16),
+    (r"^(index|linear)_\w*head_dim$", 16),
     (r"^(kv_lora_rank|q_lora_rank)$", 32),
     (r"^qk_rope_head_dim$", 8),
     (r"^(qk_nope_head_dim|v_head_dim)$", 16),
@@ -40,6 +41,7 @@ SIZE_RULES: tuple[tuple[str, int], ...] = (
     (r"max_position_embeddings$|^n_positions$|^n_ctx$", 512),
     (r"(sliding_window|attention_chunk_size|window_size|window_len|local_window)", 8),
     (r"index_topk$", 4),
+    (r"pool_size$", 64),
     # State-space layers: the state's size, and the chunks their scan runs over a pass in.
     (r"(d_state|ssm_state_size)$", 16),
     (r"chunk_size$", 16),

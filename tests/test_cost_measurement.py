@@ -43,6 +43,20 @@ class CostMeasurementTest(unittest.TestCase):
             load_or_measure(model, None)
             self.assertEqual(measure.count, 4, "without a directory every request measures")
 
+    def test_a_hybrid_model_is_timed_in_chain_steps_each_undone(self):
+        from .model_zoo import Architecture, build
+
+        model = build(Architecture("qwen3_next", "Qwen3NextForCausalLM", "causal_lm"))
+        passes = []
+        model.register_forward_pre_hook(lambda module, args, kwargs: passes.append(kwargs), with_kwargs=True)
+        costs = measure_step_costs(model, grid=(1, 2, 4), chain=True)
+        self.assertEqual(sorted(costs), [1, 2, 4])
+        steps = passes[1:]
+        self.assertTrue(steps and all(step["attention_mask"] is None for step in steps), "chain steps: no 4D mask")
+        cache = steps[-1]["cache"]
+        # Every timed step was undone: the recurrent states and the attention entries are the prompt's alone.
+        self.assertEqual(cache.layers[-1].get_seq_length(), passes[0]["input_ids"].shape[1])
+
     def test_unwritable_directory_is_harmless(self):
         model = tiny_model("llama")
         with tempfile.TemporaryDirectory() as tmp:

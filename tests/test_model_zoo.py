@@ -34,7 +34,7 @@ def page_verdicts() -> tuple[str | None, dict[tuple[str, str], tuple[str, str]]]
     rows = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[3] in STATUSES:
+        if len(cells) == 5 and cells[3] in STATUSES and cells[0] != "mapping":
             rows[(cells[0], cells[1].strip("`"))] = (cells[3], cells[4].replace("\\|", "|"))
     return (version.group(1) if version else None), rows
 

@@ -368,6 +368,34 @@ def _gpu_check_table(result: dict) -> list[str]:
     return _table(["check", "status", "tok/forward"], rows)
 
 
+def _recurrent_state_table(result: dict) -> list[str]:
+    row = result["recurrent_state"]
+    kept = row["save_ms"] + row["restore_ms"]
+    header = [
+        "model",
+        "recurrent state per sequence",
+        "copy before a step",
+        "put back (undo)",
+        "one-token pass",
+        f"{row['chain']}-token chain pass",
+        "copy + put back / chain pass",
+    ]
+    model = (
+        f"Qwen3.5-like, {row['parameters'] / 1e9:.2f}B, {row['recurrent_layers']}/{row['layers']} layers linear, "
+        f"{row['context']}-token prompt"
+    )
+    cells = [
+        model,
+        f"{row['state_mib_per_sequence']} MiB",
+        f"{row['save_ms']} ms",
+        f"{row['restore_ms']} ms",
+        f"{row['one_token_pass_ms']} ms",
+        f"{row['chain_pass_ms']} ms",
+        f"{kept / row['chain_pass_ms']:.1%}",
+    ]
+    return _table(header, [cells])
+
+
 KINDS = [
     Kind(
         "generate: plain greedy, prompt lookup and lookahead",
@@ -472,6 +500,15 @@ KINDS = [
         "more), whose host work differs only by what the text's length adds.",
         lambda r: "host_time" in r,
         _host_time_table,
+    ),
+    Kind(
+        "Recurrent states kept per chain step",
+        "`utils/recurrent_state_cost.py`: a hybrid model's linear-attention states (convolution and recurrent) are "
+        "copied before every chain step that feeds guesses and put back when the step is undone; here their size, "
+        "the time to copy and to put them back, and the step's own forward passes, on a random model of a real "
+        "hybrid shape built on this machine, measured interleaved.",
+        lambda r: "recurrent_state" in r,
+        _recurrent_state_table,
     ),
     Kind(
         "Accelerator checks",

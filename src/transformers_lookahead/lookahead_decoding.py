@@ -22,6 +22,7 @@ from .cost_model import COST_GRID, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
+from .step_check import LONGEST_CHAIN_CHECKED
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import ChainLayout, RowStep, StepLayout, generate_position_shift
 from .step_policy import (
@@ -598,7 +599,8 @@ class LookaheadDecoder:
         return plans
 
     def _offer(self, sequence: SequenceState) -> StepOffer:
-        return offer_candidates(sequence, self.factory.sources, self.max_positions, self.chain)
+        chain = LONGEST_CHAIN_CHECKED if self.chain else None
+        return offer_candidates(sequence, self.factory.sources, self.max_positions, chain)
 
     @staticmethod
     def _verify(plan: StepPlan, logits: torch.Tensor, choices: list[int]) -> Verdict:

@@ -240,7 +240,7 @@ class LookaheadFactory:
 
 
 def offer_candidates(
-    sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None, chain: bool = False
+    sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None, chain: int | None = None
 ) -> StepOffer:
     """
     A sequence's candidates for its next step, every source's proposals merged into one tree, priced by its policy
@@ -250,8 +250,8 @@ def offer_candidates(
         sequence (`SequenceLookahead`): the sequence.
         sources (`list[CandidateSource]`): where candidates come from (`candidate_sources`).
         max_positions (`int`, *optional*): the positions the model embeds, if it says.
-        chain (`bool`, *optional*): offer a chain step (`ChainLayout`): one candidate path (`TokenTree.chain`), no
-            window.
+        chain (`int`, *optional*): offer a chain step (`ChainLayout`) of at most `chain` tokens, the pending ones
+            included: one candidate path (`TokenTree.chain`), no window.
     """
     position_room = (max_positions - 1 - sequence.position) if max_positions else sequence.limit
     room = min(sequence.limit - sequence.length - 1, position_room)
@@ -259,8 +259,8 @@ def offer_candidates(
     for source in sources:
         source.propose(sequence, tree, min(source.depth, room))
     window_allowed = position_room >= sequence.window.levels + sequence.window.window - 1
-    if chain:
-        tree, window_allowed = tree.subtree(tree.chain()), False
+    if chain is not None:
+        tree, window_allowed = tree.subtree(tree.chain()[: max(0, chain - len(sequence.pending))]), False
     return sequence.policy.offer(tree, window_allowed, len(sequence.pending))
 
 

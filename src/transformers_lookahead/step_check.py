@@ -29,6 +29,8 @@ HALF_PRECISION_TOLERANCE = 0.05
 PREFIX_LENGTH = 5
 # The widest window a model declares that `StepCheck` still checks with a step as wide (one pass of that many tokens).
 LONGEST_WINDOW_CHECKED = 1024
+# The longest chain step `chain_failure` checks, and so the longest one `generate` takes.
+LONGEST_CHAIN_CHECKED = 16
 REMEDY = "Lookahead decoding is not available for this model; remove the `lookahead_*` settings to decode as usual."
 
 
@@ -79,6 +81,8 @@ class StepCheck:
                 verdicts["padding"] = None if by_slot else padding_failure(model)
             if (verdicts["steps"] or verdicts.get("padding")) is not None and "chain" not in verdicts:
                 verdicts["chain"] = chain_failure(model)
+            if padded and verdicts.get("chain", "") is None and "padded_chain" not in verdicts:
+                verdicts["padded_chain"] = padded_chain_failure(model)
         finally:
             model.train(training)
 
@@ -117,6 +121,11 @@ class StepCheck:
             )
         if verdicts["chain"] is not None:
             raise ValueError(f"{reason} {verdicts['chain']} {remedy}")
+        if padded and verdicts["padded_chain"] is not None:
+            raise ValueError(
+                f"{reason} {verdicts['padded_chain']} Decode the rows one at a time, or remove the `lookahead_*` "
+                "settings."
+            )
         if not chain_steps:
             raise ValueError(
                 f"{reason} `generate` decodes it in chain steps (one candidate continuation, no window), which "
@@ -204,8 +213,9 @@ def step_failure(model: PreTrainedModel) -> str | None:
 
 def chain_failure(model: PreTrainedModel) -> str | None:
     """
-    Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can: three tokens
-    after a prefix fed as one chain step against the same tokens fed one per pass. The prefix is longer than the
+    Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can:
+    `LONGEST_CHAIN_CHECKED` tokens after a prefix fed as one chain step against the same tokens fed one per pass
+    (chain steps are no longer: a model may choose among a long pass's keys otherwise, as an attention indexer does). The prefix is longer than the
     widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so that a model choosing among the
     pass's keys for its window (Doge) chooses otherwise than in one-token passes. Where the cache holds recurrent
     states, the step is then undone (`CacheCommitter.undo`) and its tokens fed again one per pass: a state the model
@@ -213,7 +223,8 @@ def chain_failure(model: PreTrainedModel) -> str | None:
     """
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
-    prefix, tokens = ids[:PREFIX_LENGTH], ids[PREFIX_LENGTH:]
+    prefix = ids[:PREFIX_LENGTH]
+    tokens = chain_tokens(model, ids[PREFIX_LENGTH:])
     far = _farthest_window(model)
     if far is not None:
         prefix = [ids[index % PREFIX_LENGTH] for index in range(far + 2)]
@@ -241,13 +252,82 @@ def chain_failure(model: PreTrainedModel) -> str | None:
     if held != len(prefix) + len(tokens):
         return f"Its cache also holds {held} entries after {len(prefix) + len(tokens)} tokens in a chain step."
     if not _close(chain, plain, model.dtype):
-        return "A chain step of three tokens also gives other logits than three one-token passes."
+        return (
+            f"A chain step of {len(tokens)} tokens (the padding id among them) also gives other logits than "
+            f"{len(tokens)} one-token passes."
+        )
     if again is not None and not _close(again, plain, model.dtype):
         return (
             "Undoing a chain step (its recurrent states put back, its entries cropped) leaves the model otherwise "
             "than before it: it keeps state the cache does not hold."
         )
     return None
+
+
+def chain_tokens(model: PreTrainedModel, ordinary: list[int]) -> list[int]:
+    """
+    The `LONGEST_CHAIN_CHECKED` tokens of a checked chain: `ordinary` tokens repeated, the padding id among them (a
+    text may hold it, and a model that takes it for padding inside a pass decodes such a text otherwise).
+    """
+    tokens = [ordinary[index % len(ordinary)] for index in range(LONGEST_CHAIN_CHECKED)]
+    pad = model.generation_config.pad_token_id
+    if isinstance(pad, int) and 0 <= pad < model.config.get_text_config(decoder=True).vocab_size:
+        tokens[2] = pad
+    return tokens
+
+
+def padded_chain_failure(model: PreTrainedModel) -> str | None:
+    """
+    Why `model` cannot decode chain steps exactly in a left-padded batch, a sentence, or `None` when it can: a
+    chain step after a left-padded prefix against one-token passes after it, each pass given the padding mask and
+    the positions `generate` gives it.
+    """
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
+    prefix = ids[:PREFIX_LENGTH]
+    tokens = chain_tokens(model, ids[PREFIX_LENGTH:])
+    pad = model.generation_config.pad_token_id
+    pad, padding, device = (pad if isinstance(pad, int) else 0), 3, model.device
+    shift = generate_position_shift(model)
+    argument = cache_argument(model)
+
+    def prefilled() -> DynamicCache:
+        cache = DynamicCache(config=model.config)
+        mask = torch.tensor([[0] * padding + [1] * len(prefix)], device=device)
+        kwargs = {argument: cache, "use_cache": True, "attention_mask": mask}
+        if shift is not None:
+            kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1) + shift
+        model(input_ids=torch.tensor([[pad] * padding + prefix], device=device), **kwargs)
+        return cache
+
+    def one_token_pass(cache: DynamicCache, token: int, position: int) -> torch.Tensor:
+        mask = torch.tensor([[0] * padding + [1] * (position + 1)], device=device)
+        kwargs = {argument: cache, "use_cache": True, "attention_mask": mask}
+        if shift is not None:
+            kwargs["position_ids"] = torch.tensor([[position + shift]], device=device)
+        return model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1].float()
+
+    try:
+        with torch.no_grad():
+            cache = prefilled()
+            start = len(prefix)
+            plain = torch.stack([one_token_pass(cache, token, start + i) for i, token in enumerate(tokens)])
+            cache = prefilled()
+            layout = ChainLayout.for_model(model)
+            tree = TokenTree()
+            for depth, token in enumerate(tokens[1:], start=1):
+                tree.ensure_child(depth - 2, token, depth)
+            row = layout.row(tokens[:1], start + (padding if shift is None else shift), None, tree)
+            slot_valid = torch.tensor([[False] * padding + [True] * start], device=device)
+            chain = StepForward(model, cache)(layout.build(cache, [row], slot_valid))[0].float()
+    except Exception as error:  # noqa: BLE001 - whatever the model raises on a padded chain step is the reason
+        return f"It fails on a chain step after left padding ({type(error).__name__}: {error})."
+    if _close(chain, plain, model.dtype):
+        return None
+    return (
+        f"After left padding, a chain step of {len(tokens)} tokens gives other logits than as many one-token passes, "
+        "so lookahead cannot give plain greedy's output for a left-padded batch."
+    )
 
 
 def padding_failure(model: PreTrainedModel) -> str | None:

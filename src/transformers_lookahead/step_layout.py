@@ -450,9 +450,21 @@ class ChainLayout(StepLayout):
         return cls(model.dtype, model.device, pass_positions=generate_position_shift(model) is not None)
 
     def build(self, cache, rows: list[RowStep], *args, **kwargs) -> StepInputs:
-        """As `StepLayout.build`, without position ids where the model numbers positions itself."""
+        """
+        As `StepLayout.build`, without position ids where the model numbers positions itself. The tokens padding a
+        shorter row continue its positions, as the tokens after it: a model that decides what a token sees by
+        position (an attention indexer choosing its keys) then finds them after it, as the 2D mask has them.
+        """
         step = super().build(cache, rows, *args, **kwargs)
-        return step if self.pass_positions else replace(step, position_ids=None)
+        if not self.pass_positions:
+            return replace(step, position_ids=None)
+        # No further than a position some row takes in this step (a table of learned positions ends somewhere).
+        furthest = max(int(row.positions[-1]) for row in rows)
+        for b, row in enumerate(rows):
+            if row.length < step.length:
+                after = torch.arange(1, step.length - row.length + 1, device=self.device)
+                step.position_ids[b, row.length :] = (row.positions[-1] + after).clamp(max=furthest)
+        return step
 
     def row(self, pending: list[int], position: int, window_tokens: list[int] | None, tree: TokenTree) -> RowStep:
         """A chain step's row: `pending` and `tree`, which must be a single path, and no window."""
