@@ -176,7 +176,7 @@ class ChainStepsTest(unittest.TestCase):
 
 
 class RecurrentChainStepsTest(unittest.TestCase):
-    """Hybrid models (linear-attention and state-space layers beside attention) and indexed attention, in chain steps."""
+    """Hybrid models (linear-attention and state-space layers beside attention) and indexed attention."""
 
     @parameterized.expand(
         [

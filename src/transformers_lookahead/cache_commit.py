@@ -363,7 +363,7 @@ class CacheCommitter:
 
     @staticmethod
     def _crop(layer: CacheLayerMixin, tokens_to_remove: int) -> None:
-        """A layer's `crop`; a recurrent hybrid layer's attention part alone (`RecurrentStates` has its running state)."""
+        """A layer's `crop`; a recurrent hybrid layer's attention part alone (`RecurrentStates` keeps its state)."""
         if type(layer) in RECURRENT_LAYERS:
             if isinstance(layer, DynamicLayer):
                 crop_attention_part(layer, tokens_to_remove)

@@ -137,7 +137,7 @@ def layer_step_start(layer: CacheLayerMixin, step_length: int) -> int:
 
 
 def is_shared_layer(layer: Any) -> bool:
-    """Whether the layer holds nothing of its own: it reads another layer's keys and values (Gemma 3n's `DummyLayer`)."""
+    """Whether the layer holds nothing of its own: it reads another layer's keys and values (`DummyLayer`)."""
     return isinstance(layer, DummyLayer)
 
 
@@ -171,7 +171,7 @@ def forget_recorded_past(layer: LinearAttentionCacheLayerMixin) -> None:
 
 
 def crop_attention_part(layer: CacheLayerMixin, tokens_to_remove: int) -> None:
-    """`crop` of a recurrent hybrid layer's attention part alone (its recurrent part is put back by `RecurrentStates`)."""
+    """`crop` of a recurrent hybrid layer's attention part alone (`RecurrentStates` puts its recurrent part back)."""
     part = DynamicSlidingWindowLayer if isinstance(layer, DynamicSlidingWindowLayer) else DynamicLayer
     part.crop(layer, tokens_to_remove)
 

@@ -53,9 +53,10 @@ class StepCheck:
     For left-padded batches, the model's own greedy decoding of a padded row must also be the row's alone
     (`padding_failure`): a step hides padding, as a mask must. A model that fails either may still compute a chain
     step as plain decoding does (`chain_failure`: the step's tokens fed as plain decoding feeds several tokens, with
-    its 2D padding mask), which `generate` then decodes in chain steps (`ChainLayout`). What is checked is the
-    model's structure, so a verdict holds whatever dtype, device or attention backend the model moves to later
-    (backends that cannot take a step's mask are refused on their own).
+    its 2D padding mask), which `generate` then decodes in chain steps (`ChainLayout`), in left-padded batches too
+    where a chain after left padding also computes as one-token passes do (`padded_chain_failure`). What is checked
+    is the model's structure, so a verdict holds whatever dtype, device or attention backend the model moves to
+    later (backends that cannot take a step's mask are refused on their own).
     """
 
     def __init__(self):
@@ -81,7 +82,8 @@ class StepCheck:
                 verdicts["padding"] = None if by_slot else padding_failure(model)
             if (verdicts["steps"] or verdicts.get("padding")) is not None and "chain" not in verdicts:
                 verdicts["chain"] = chain_failure(model)
-            if padded and verdicts.get("chain", "") is None and "padded_chain" not in verdicts:
+            chain_steps = "chain" in verdicts and verdicts["chain"] is None
+            if padded and chain_steps and "padded_chain" not in verdicts:
                 verdicts["padded_chain"] = padded_chain_failure(model)
         finally:
             model.train(training)
@@ -215,11 +217,11 @@ def chain_failure(model: PreTrainedModel) -> str | None:
     """
     Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can:
     `LONGEST_CHAIN_CHECKED` tokens after a prefix fed as one chain step against the same tokens fed one per pass
-    (chain steps are no longer: a model may choose among a long pass's keys otherwise, as an attention indexer does). The prefix is longer than the
-    widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so that a model choosing among the
-    pass's keys for its window (Doge) chooses otherwise than in one-token passes. Where the cache holds recurrent
-    states, the step is then undone (`CacheCommitter.undo`) and its tokens fed again one per pass: a state the model
-    keeps beyond the cache's would show there.
+    (chain steps are no longer: a model may choose among a long pass's keys otherwise, as an attention indexer
+    does). The prefix is longer than the widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so
+    that a model choosing among the pass's keys for its window (Doge) chooses otherwise than in one-token passes.
+    Where the cache holds recurrent states, the step is then undone (`CacheCommitter.undo`) and its tokens fed again
+    one per pass: a state the model keeps beyond the cache's would show there.
     """
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
