@@ -417,8 +417,31 @@ class DeparturesTest(unittest.TestCase):
             self.assertEqual(rows[1]["versus_batched"]["p_value"] < DEPARTURE_SIGNIFICANCE, significant, rows[1])
 
     def test_divergence_sources_name_the_module_that_computes_a_row_otherwise(self):
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        def row_by_row(module, query, key, value, attention_mask, **kwargs):
+            # Every query row against exactly the keys it sees, as in a one-token pass: a CPU's batched kernels may
+            # sum several rows' products in another order (they do without AVX-512).
+            rows = []
+            for index in range(query.shape[2]):
+                # The keys up to the last one the row sees (a static cache's buffer holds more), in every pass alike.
+                if attention_mask is None:
+                    seen = key.shape[2] - (query.shape[2] - 1 - index)
+                else:
+                    seen = int((attention_mask[0, 0, index] == 0).nonzero().max()) + 1
+                mask = None if attention_mask is None else attention_mask[:, :, index : index + 1, :seen]
+                row = query[:, :, index : index + 1]
+                rows.append(
+                    eager_attention_forward(module, row, key[:, :, :seen], value[:, :, :seen], mask, **kwargs)[0]
+                )
+            return torch.cat(rows, dim=1), None
+
+        AttentionInterface.register("lookahead_test_row_by_row", row_by_row)
+        AttentionMaskInterface.register("lookahead_test_row_by_row", eager_mask)
         model = tiny_model("llama")
-        model.set_attn_implementation("eager")
+        model.set_attn_implementation("lookahead_test_row_by_row")
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 # Every product one row at a time, as in a one-token pass: nothing else sums in another order here.
