@@ -458,12 +458,16 @@ class ChainLayout(StepLayout):
         step = super().build(cache, rows, *args, **kwargs)
         if not self.pass_positions:
             return replace(step, position_ids=None)
-        # No further than a position some row takes in this step (a table of learned positions ends somewhere).
-        furthest = max(int(row.positions[-1]) for row in rows)
-        for b, row in enumerate(rows):
-            if row.length < step.length:
-                after = torch.arange(1, step.length - row.length + 1, device=self.device)
-                step.position_ids[b, row.length :] = (row.positions[-1] + after).clamp(max=furthest)
+        shorter = [b for b, row in enumerate(rows) if row.length < step.length]
+        if not shorter:
+            return step
+        # No further than a position some row takes in this step (a table of learned positions ends somewhere);
+        # kept on the device, so that laying a step out never waits for it.
+        furthest = torch.stack([row.positions[-1] for row in rows]).max()
+        for b in shorter:
+            row = rows[b]
+            after = torch.arange(1, step.length - row.length + 1, device=self.device)
+            step.position_ids[b, row.length :] = torch.minimum(row.positions[-1] + after, furthest)
         return step
 
     def row(self, pending: list[int], position: int, window_tokens: list[int] | None, tree: TokenTree) -> RowStep:
