@@ -1,18 +1,22 @@
 """
 The masked attention of lookahead passes over grouped key/value heads (`grouped_attention.py`): bit-identical to
-Transformers' sdpa, which repeats the heads; used only where a lookahead pass marks it; and a lookahead pass then
-dispatches no more operators than a plain one-token pass.
+Transformers' sdpa, which repeats the heads; registered under its own name and named only by lookahead passes, so
+that another model compiled in the same process runs on untouched; and a lookahead pass then dispatches no more
+operators than a plain one-token pass.
 """
 
 import unittest
 
 import torch
 from parameterized import parameterized
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from transformers_lookahead import LookaheadState, enable_lookahead
+from transformers_lookahead.compatibility import attention_implementation
 from transformers_lookahead.grouped_attention import (
-    GROUPED_KV_FLAG,
+    GROUPED_ATTENTION,
     grouped_sdpa,
     register_grouped_attention,
     takes_grouped_kv,
@@ -54,47 +58,58 @@ class GroupedSdpaTest(unittest.TestCase):
         query, key, value, mask = _inputs(*shape, dtype)
         module = _Attention(groups)
         stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
-        grouped, _ = grouped_sdpa(sdpa_attention_forward)(
-            module, query, key, value, mask, scaling=dim**-0.5, **{GROUPED_KV_FLAG: True}
-        )
+        grouped, _ = grouped_sdpa(module, query, key, value, mask, scaling=dim**-0.5)
         self.assertEqual(grouped.shape, stock.shape)
         self.assertTrue(torch.equal(grouped, stock))
 
     @parameterized.expand(
         [
-            ("unmarked", {}, 7, True, 2),
-            ("one query token", {GROUPED_KV_FLAG: True}, 1, True, 2),
-            ("no mask", {GROUPED_KV_FLAG: True}, 7, False, 2),
-            ("no grouped heads", {GROUPED_KV_FLAG: True}, 7, True, 1),
+            ("one query token", 1, True, 2),
+            ("no mask", 7, False, 2),
+            ("no grouped heads", 7, True, 1),
         ]
     )
-    def test_every_other_call_runs_the_wrapped_function(self, _, marks, queries, masked, groups):
+    def test_every_other_call_runs_the_registered_sdpa(self, _, queries, masked, groups):
         calls = []
 
-        def wrapped(module, query, key, value, attention_mask, *args, **kwargs):
-            calls.append(kwargs)
+        def registered_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+            calls.append(attention_mask)
             return query.transpose(1, 2), None
 
         query, key, value, mask = _inputs(1, 4, groups, queries, 9, 8, torch.float32)
-        grouped_sdpa(wrapped)(_Attention(groups), query, key, value, mask if masked else None, **marks)
+        with _registered_sdpa(registered_sdpa):
+            grouped_sdpa(_Attention(groups), query, key, value, mask if masked else None)
         self.assertEqual(len(calls), 1)
-        self.assertNotIn(GROUPED_KV_FLAG, calls[0])
 
-    def test_a_marked_masked_pass_does_not_run_the_wrapped_function(self):
-        def wrapped(*args, **kwargs):
-            raise AssertionError("the wrapped function ran")
+    def test_a_masked_pass_over_grouped_heads_does_not_run_the_registered_sdpa(self):
+        def registered_sdpa(*args, **kwargs):
+            raise AssertionError("the registered sdpa ran")
 
         query, key, value, mask = _inputs(1, 4, 2, 7, 9, 8, torch.float32)
-        output, _ = grouped_sdpa(wrapped)(_Attention(2), query, key, value, mask, **{GROUPED_KV_FLAG: True})
+        with _registered_sdpa(registered_sdpa):
+            output, _ = grouped_sdpa(_Attention(2), query, key, value, mask)
         self.assertEqual(output.shape, (1, 7, 4, 8))
 
-    def test_registering_twice_wraps_once(self):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    def test_registering_leaves_sdpa_as_it_was(self):
+        stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        register_grouped_attention()
+        register_grouped_attention()
+        self.assertIs(ALL_ATTENTION_FUNCTIONS["sdpa"], stock)
+        self.assertIs(ALL_ATTENTION_FUNCTIONS[GROUPED_ATTENTION], grouped_sdpa)
 
-        register_grouped_attention()
-        first = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        register_grouped_attention()
-        self.assertIs(ALL_ATTENTION_FUNCTIONS["sdpa"], first)
+
+class _registered_sdpa:
+    """Registers `function` as `"sdpa"` for the block, as a user's own sdpa would be, then puts the stock one back."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __enter__(self):
+        self.stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        AttentionInterface.register("sdpa", self.function)
+
+    def __exit__(self, *exc):
+        AttentionInterface.register("sdpa", self.stock)
 
 
 class MarkedModelsTest(unittest.TestCase):
@@ -123,6 +138,34 @@ class MarkedModelsTest(unittest.TestCase):
         plain = model.generate(prompt, max_new_tokens=40, do_sample=False)
         lookahead = model.generate(prompt, max_new_tokens=40, do_sample=False, lookahead_window=4)
         self.assertTrue(torch.equal(plain, lookahead))
+
+
+class ProcessWideStateTest(unittest.TestCase):
+    def test_another_compiled_model_neither_recompiles_nor_changes(self):
+        # Enabling lookahead once re-registered `"sdpa"` for the whole process: a model compiled before then failed
+        # the guard on that function at its next call and recompiled.
+        torch._dynamo.reset()
+        plain = tiny_model("llama")
+        compiled = torch.compile(plain.forward, backend="eager")
+        prompt = random_prompt(12)
+        with torch.no_grad():
+            before = compiled(input_ids=prompt, use_cache=False).logits
+        counters = torch._dynamo.utils.counters
+        graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+
+        other = enable_lookahead(tiny_model("qwen2"), state=LookaheadState(cost_dir=None))
+        self.assertTrue(takes_grouped_kv(other))
+        outputs = other.generate(
+            random_prompt(24), max_new_tokens=24, do_sample=False, lookahead_window=4, return_dict_in_generate=True
+        )
+        self.assertGreater(max(outputs.accepted_per_step), 1)
+        self.assertEqual(attention_implementation(other), "sdpa")
+
+        with torch.no_grad():
+            after = compiled(input_ids=prompt, use_cache=False).logits
+        self.assertEqual(counters["stats"]["unique_graphs"], graphs)
+        self.assertEqual(sum(counters["recompiles"].values()), recompiles)
+        self.assertTrue(torch.equal(before, after))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ def pass_milliseconds(model, contexts: tuple[int, ...], step_tokens: int = 33, r
 
     from transformers import DynamicCache
 
-    from transformers_lookahead.grouped_attention import GROUPED_KV_FLAG, register_grouped_attention
+    from transformers_lookahead.compatibility import attention_implementation_for
+    from transformers_lookahead.grouped_attention import GROUPED_ATTENTION, register_grouped_attention
     from transformers_lookahead.step_forward import cache_argument
 
     register_grouped_attention()
@@ -147,9 +148,9 @@ def pass_milliseconds(model, contexts: tuple[int, ...], step_tokens: int = 33, r
         times = {"repeated": [], "grouped": []}
         # The first round warms kernels and the allocator up, untimed.
         for round_ in range(repeats + 1):
-            for name, marks in (("repeated", {}), ("grouped", {GROUPED_KV_FLAG: True})):
+            for name, attention in (("repeated", "sdpa"), ("grouped", GROUPED_ATTENTION)):
                 started = time.perf_counter()
-                with torch.no_grad():
+                with torch.no_grad(), attention_implementation_for(model.config, attention):
                     model(
                         input_ids=ids,
                         position_ids=positions,
@@ -157,7 +158,6 @@ def pass_milliseconds(model, contexts: tuple[int, ...], step_tokens: int = 33, r
                         use_cache=True,
                         logits_to_keep=1,
                         **{cache_argument(model): cache},
-                        **marks,
                     )
                 if round_:
                     times[name].append(1000 * (time.perf_counter() - started))

@@ -7,6 +7,8 @@ continuous-batching engine would call them directly. A release that changes one 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,9 +99,24 @@ def pad_token_id(generation_config: GenerationConfig) -> int | None:
     return None if pad is None else int(pad)
 
 
-def attention_implementation(model: PreTrainedModel) -> str | None:
-    """The attention backend the model runs (`PretrainedConfig._attn_implementation`)."""
-    return model.config._attn_implementation
+def attention_implementation(model: PreTrainedModel | PretrainedConfig) -> str | None:
+    """The attention backend a model (its config) or a (sub-)config names (`PretrainedConfig._attn_implementation`)."""
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    return config._attn_implementation
+
+
+@contextmanager
+def attention_implementation_for(config: PretrainedConfig, name: str) -> Iterator[None]:
+    """
+    Runs the block with `config` naming the attention backend `name`, then puts back the one it named. Only `config`
+    itself: the setter of `_attn_implementation` would also overwrite every sub-config's own.
+    """
+    previous = config._attn_implementation_internal
+    config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = previous
 
 
 def set_attention_implementation_unchecked(model: PreTrainedModel, name: str) -> None:

@@ -54,7 +54,7 @@ from .cost_measurement import model_key
 from .cost_model import EngineStepCost, StepCostModel, StepPricing
 from .lookahead_state import LookaheadState
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
-from .step_forward import max_positions
+from .step_forward import logits_at, max_positions
 from .step_layout import AttentionGroup, RowStep, StepLayout
 from .step_policy import StepChoice, batch_step_length, choose_window
 from .token_tree import TokenTree
@@ -392,13 +392,6 @@ class LookaheadBatching:
             )
 
 
-def logits_at(model: torch.nn.Module, batch: dict, rows: torch.LongTensor, keep: bool) -> torch.Tensor:
-    """A step's logits at `rows`, computed only there where the model takes `logits_to_keep` (`keep`)."""
-    if keep:
-        return model(**{**batch, "logits_to_keep": rows}).logits[0]
-    return model(**batch).logits[0, rows]
-
-
 class LookaheadModelRunner(ModelRunnerHooks):
     """
     Transformers' `ModelRunner` for an engine that pads its steps (a `varlen_compile_config`, or `use_cuda_graph` on
@@ -427,7 +420,8 @@ class LookaheadModelRunner(ModelRunnerHooks):
         # Rows and logits as long as the padded query, so that the shape the engine keys its graphs on fixes both;
         # the engine's own sampling is left out: each request is verified on the host.
         length = batch_data["input_ids"].shape[1]
-        self.logits[:length].copy_(logits_at(model, batch_data, self.rows[:length], "logits_to_keep" in batch_data))
+        rows = self.rows[:length]
+        self.logits[:length].copy_(logits_at(model, batch_data, rows, "logits_to_keep" in batch_data)[0])
 
     def run(self, model: torch.nn.Module, batch_data: dict, rows: list[int]) -> torch.Tensor:
         """Runs one step whose logits are needed at `rows`, and returns them."""
@@ -491,7 +485,7 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
             batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
             rows = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
             batch["logits_indices"] = rows
-            logits = logits_at(model, batch, rows, self.model_runner.supports_logits_to_keep(model))
+            logits = logits_at(model, batch, rows, self.model_runner.supports_logits_to_keep(model))[0]
         # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`. The
         # choices at every row reach the host in the step's one transfer.
         self.lookahead.logits = logits

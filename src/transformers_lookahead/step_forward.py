@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Cache, EncoderDecoderCache
 
 from .cache_commit import keep_cache_rows
-from .grouped_attention import GROUPED_KV_FLAG, register_grouped_attention, takes_grouped_kv
+from .compatibility import attention_implementation_for
+from .grouped_attention import GROUPED_ATTENTION, register_grouped_attention, takes_grouped_kv
 from .step_layout import StepInputs
 
 if TYPE_CHECKING:
@@ -66,11 +68,12 @@ class StepForward:
         self.encoder_attention_mask = encoder_attention_mask
         self.cache_argument = cache_argument(model)
         self.slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # Marks the passes for the attention that takes grouped key/value heads with the step's mask, uncopied.
-        self.attention_marks = {}
+        # The decoder's config, which names the attention that takes grouped key/value heads with the step's mask,
+        # uncopied, for the steps' passes only.
+        self.grouped_config = None
         if not self.is_encoder_decoder and takes_grouped_kv(model):
             register_grouped_attention()
-            self.attention_marks = {GROUPED_KV_FLAG: True}
+            self.grouped_config = model.config.get_text_config(decoder=True)
 
     def compile(self, compile_config: CompileConfig | None) -> None:
         """Runs the steps through the model's compiled forward (`PreTrainedModel.get_compiled_call`)."""
@@ -90,8 +93,6 @@ class StepForward:
     def __call__(self, step: StepInputs) -> torch.Tensor:
         """Runs the step's forward pass; returns the logits of `step.logits_rows`, shape `(batch, rows, vocab)`."""
         kwargs = {self.cache_argument: self.cache, "use_cache": True, "return_dict": True}
-        if self.slices_logits:
-            kwargs["logits_to_keep"] = step.logits_rows
         if self.is_encoder_decoder:
             kwargs.update(
                 decoder_input_ids=step.input_ids,
@@ -104,9 +105,20 @@ class StepForward:
             kwargs.update(input_ids=step.input_ids, attention_mask=step.attention_mask)
             if step.position_ids is not None:
                 kwargs["position_ids"] = step.position_ids
-            kwargs.update(self.attention_marks)
-        logits = self.call(**kwargs).logits
-        return logits if self.slices_logits else logits[:, step.logits_rows]
+        if self.grouped_config is None:
+            return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
+        with attention_implementation_for(self.grouped_config, GROUPED_ATTENTION):
+            return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
+
+
+def logits_at(call: Callable[..., Any], inputs: dict[str, Any], rows: Any, slices: bool) -> torch.Tensor:
+    """
+    The logits of a pass at the sequence positions `rows` (a tensor or a slice), `(batch, rows, vocab)`: computed
+    only there where the model takes `logits_to_keep` (`slices`).
+    """
+    if slices:
+        return call(**{**inputs, "logits_to_keep": rows}).logits
+    return call(**inputs).logits[:, rows]
 
 
 def select_rows(encoder_outputs: Any, indices: torch.Tensor) -> Any:
