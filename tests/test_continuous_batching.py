@@ -26,11 +26,9 @@ from transformers_lookahead.compatibility import set_attention_implementation_un
 from transformers_lookahead.continuous_batching import (
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
-    padded_step_cost,
-    padded_table,
     request_processors,
 )
-from transformers_lookahead.cost_model import StepCostModel
+from transformers_lookahead.cost_model import StepCostModel, padded_step_cost, padded_table
 from utils.distribution_check import homogeneity_p_value
 
 from .test_verification import P_VALUE

@@ -6,13 +6,12 @@ import torch
 import torch.distributed as dist
 from transformers import LogitsProcessorList
 
+from transformers_lookahead import LookaheadConfig, LookaheadState
 from transformers_lookahead.cost_model import StepCostModel
-from transformers_lookahead.lookahead_decoding import SequenceState, SequenceText, StepPlan, step_fingerprint
-from transformers_lookahead.lookahead_window import LookaheadWindow
-from transformers_lookahead.ngram_pool import NGramPool
+from transformers_lookahead.lookahead_decoding import SequenceState, SequenceText, step_fingerprint
 from transformers_lookahead.rank_sync import RankSync
-from transformers_lookahead.step_layout import AttentionGroup, StepLayout
-from transformers_lookahead.step_policy import StaticStepPolicy
+from transformers_lookahead.sequence_lookahead import LookaheadFactory, SequenceStep
+from transformers_lookahead.step_layout import RowLayout
 from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import GreedyVerifier
 
@@ -45,15 +44,13 @@ class RankSyncTest(unittest.TestCase):
 
 class StepFingerprintTest(unittest.TestCase):
     def _plans(self, window_tokens):
-        layout = StepLayout(2, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
+        layout = RowLayout(2, 2, torch.device("cpu"))
         text = SequenceText(torch.tensor([[5, 6, 7]]), [5, 6, 7], 20)
-        policy = StaticStepPolicy(4)
-        window = LookaheadWindow(2, 2, text.tokens)
-        sequence = SequenceState(
-            0, text, 20, NGramPool(2, 2), window, policy, None, GreedyVerifier(LogitsProcessorList())
-        )
+        factory = LookaheadFactory(None, LookaheadConfig(window=2, ngram=3), LookaheadState(cost_dir=None), False)
+        sequence = SequenceState(0, text, 20, factory, GreedyVerifier(LogitsProcessorList()))
+        offer = sequence.policy.offer(TokenTree(), True, 1)
         row = layout.row([7], 2, window_tokens, TokenTree())
-        return [StepPlan(sequence, policy.plan(policy.offer(TokenTree(), True, 1)), row)]
+        return [SequenceStep(sequence, sequence.policy.plan(offer), row)]
 
     def test_same_step_same_fingerprint_other_tokens_other_fingerprint(self):
         first = step_fingerprint(self._plans([1, 2, 3, 4]))

@@ -4,20 +4,22 @@ import unittest
 import torch
 from transformers import LogitsProcessorList
 
-from transformers_lookahead import LookaheadConfig
-from transformers_lookahead.cost_model import StepCostModel, StepPricing
+from transformers_lookahead import LookaheadConfig, LookaheadState
+from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.sequence_lookahead import (
     CandidateSource,
     ContextCandidates,
     LookaheadFactory,
     PoolCandidates,
     SequenceLookahead,
-    learn_from_step,
     offer_candidates,
 )
-from transformers_lookahead.step_layout import AttentionGroup, StepLayout
-from transformers_lookahead.step_policy import AdaptiveStepPolicy, StaticStepPolicy
+from transformers_lookahead.step_layout import RowLayout
+from transformers_lookahead.step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice
+from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import GreedyVerifier, Verdict
+
+from .utils import tiny_model
 
 FLAT = StepCostModel({1: 1.0, 64: 1.0})
 TEXT = [5, 6, 7, 8, 5, 6, 7, 9, 5]
@@ -34,12 +36,26 @@ class FixedPath(CandidateSource):
         tree.add_path(self.path[:depth])
 
 
-def _sequence(
-    config: LookaheadConfig, limit: int = 40, recall=lambda key: None, pricing: StepPricing | None = None
-) -> SequenceLookahead:
-    pricing = pricing or (StepPricing(FLAT) if config.adaptive else None)
-    factory = LookaheadFactory(config, window_size=3, do_sample=False, recall=recall, pricing=pricing)
-    return factory.build(list(TEXT), limit, GreedyVerifier(LogitsProcessorList()))
+class _State(LookaheadState):
+    """A state without files whose `recall` is the test's."""
+
+    def __init__(self, recall=lambda key: None, **kwargs):
+        super().__init__(cost_dir=None, **kwargs)
+        self.recall = recall
+
+
+def _factory(config: LookaheadConfig, recall=lambda key: None, **kwargs) -> LookaheadFactory:
+    # Without a model, so without the suffix memory that `"auto"` turns on.
+    config = dataclasses.replace(config, memory=False)
+    return LookaheadFactory(None, config, _State(recall), do_sample=False, cost=FLAT, **kwargs)
+
+
+def _sequence(config: LookaheadConfig, limit: int = 40, recall=lambda key: None, **kwargs) -> SequenceLookahead:
+    factory = _factory(config, recall, **kwargs)
+    return SequenceLookahead(list(TEXT), limit, factory, GreedyVerifier(LogitsProcessorList()))
+
+
+LAYOUT = RowLayout(3, 2, torch.device("cpu"))
 
 
 class LookaheadFactoryTest(unittest.TestCase):
@@ -70,22 +86,41 @@ class LookaheadFactoryTest(unittest.TestCase):
     def test_sequences_share_one_pricing_that_starts_from_the_last_call_once(self):
         config = LookaheadConfig(window="auto", ngram=3)
         learnt = dataclasses.replace(_sequence(config).policy.estimates(), excess_scale=2.0, underpricing=((4, 1.5),))
-        pricing = StepPricing(FLAT, timed=True)
-        factory = LookaheadFactory(config, window_size=3, do_sample=False, recall=lambda key: learnt, pricing=pricing)
-        first = factory.build(list(TEXT), 40, GreedyVerifier(LogitsProcessorList()))
+        factory = _factory(config, recall=lambda key: learnt, timed=True)
+        pricing = factory.pricing
+        first = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
         self.assertIs(first.policy.pricing, pricing)
         self.assertEqual(pricing.learnt(), (2.0, ((4, 1.5),)))
         # What the loop's steps teach it is kept when a later sequence joins (a continuous-batching request).
         pricing.observe(1, 0.01)
         pricing.observe(8, 0.04)
         taught = pricing.learnt()
-        second = factory.build(list(TEXT), 40, GreedyVerifier(LogitsProcessorList()))
+        second = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
         self.assertIs(second.policy.pricing, pricing)
         self.assertEqual(pricing.learnt(), taught)
         self.assertNotEqual(taught, (2.0, ((4, 1.5),)))
         carried = factory.estimates([first.policy, second.policy])
         self.assertEqual((carried.excess_scale, carried.underpricing), taught)
         self.assertEqual(carried.match_rate, learnt.match_rate)
+
+    def test_finished_sequences_leave_their_estimates_and_text(self):
+        config = LookaheadConfig(window="auto", ngram=3, memory=True)
+        state = LookaheadState(cost_dir=None)
+        factory = LookaheadFactory(tiny_model("llama"), config, state, do_sample=False, cost=FLAT)
+        sequence = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
+        self.assertIsNone(state.recall(factory.estimates_key(sequence.policy)))
+        factory.finish([sequence])
+        self.assertEqual(state.recall(factory.estimates_key(sequence.policy)), factory.estimates([sequence.policy]))
+        self.assertIsNotNone(factory.memory.match(TEXT[:4], 4), "the text joined the suffix memory")
+
+    def test_a_batch_is_priced_per_row_and_again_when_it_shrinks(self):
+        steep = StepCostModel({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5, 64: 32.5})
+        factory = LookaheadFactory(
+            None, LookaheadConfig(window="auto", memory=False), _State(), False, steep, batch_size=4
+        )
+        self.assertEqual(factory.pricing(2), steep.for_batch(4)(2))
+        factory.price_batch(2)
+        self.assertEqual(factory.pricing(2), steep.for_batch(2)(2))
 
 
 class OfferCandidatesTest(unittest.TestCase):
@@ -118,20 +153,36 @@ class OfferCandidatesTest(unittest.TestCase):
         self.assertEqual(offer.tree.tokens, [6, 7, 9, 5])
 
 
-class LearnFromStepTest(unittest.TestCase):
-    def test_moves_the_sequence_past_a_step(self):
-        config = LookaheadConfig(window=3, ngram=3, guess=4)
-        sequence = _sequence(config)
+class SequenceStepTest(unittest.TestCase):
+    def test_plans_within_the_budget_and_the_room(self):
+        sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
         offer = offer_candidates(sequence, [PoolCandidates(2)], max_positions=None)
-        choice = sequence.policy.plan(offer)
-        layout = StepLayout(3, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
-        row = layout.row(sequence.pending, sequence.position, sequence.window.flat(), choice.tree)
+        whole = sequence.plan(offer, LAYOUT)
+        self.assertTrue(whole.choice.use_window)
+        self.assertEqual(whole.row.length, 1 + 6 + 2)
+        self.assertEqual(sequence.plan(offer, LAYOUT, budget=1).row.length, 1, "a budget of 1 verifies nothing")
+        # Cut to the room: the window goes first, then the least likely candidates; a cut choice does not calibrate.
+        cut = sequence.plan(offer, LAYOUT, room=8)
+        self.assertEqual((cut.choice.use_window, cut.row.length, cut.choice.predicted), (False, 3, 0.0))
+        self.assertEqual(sequence.plan(offer, LAYOUT, room=2).row.length, 2)
+
+    def test_accepts_until_it_stops(self):
+        sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
+        verdict = Verdict([6, 7, 11], [0, 1], [torch.zeros(1, 4)] * 3, [torch.zeros(1, 4)] * 3)
+        kept = sequence.accept(verdict, lambda token, raw, scores: token == 7)
+        self.assertEqual((kept, sequence.tokens[-2:]), (2, [6, 7]))
+        short = _sequence(LookaheadConfig(window=3, ngram=3, guess=4), limit=len(TEXT) + 1)
+        self.assertEqual(short.accept(verdict, lambda *_: False), 1, "stops at its limit")
+
+    def test_moves_the_sequence_past_a_step(self):
+        sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
+        step = sequence.plan(offer_candidates(sequence, [PoolCandidates(2)], max_positions=None), LAYOUT)
         before = [list(level) for level in sequence.window.tokens]
         # The step accepted 6 and 7 from the tree, then 11: three tokens appended to the text.
         sequence.tokens.extend([6, 7, 11])
-        verdict = Verdict([6, 7, 11], [0, choice.tree.child(0, 7)], [], [])
+        verdict = Verdict([6, 7, 11], [0, step.choice.tree.child(0, 7)], [], [])
         choices = [6, 21, 22, 23, 7, 11, 9]
-        learn_from_step(sequence, choice, row, verdict, 3, choices, config)
+        sequence.learn(step, verdict, 3, choices)
         self.assertEqual(sequence.pending, [11])
         self.assertEqual(sequence.accepted, [3])
         # The window's top level is the model's choices at its rows; the old top moved down.
@@ -141,14 +192,21 @@ class LearnFromStepTest(unittest.TestCase):
 
     def test_a_refeeding_step_feeds_what_it_kept_again(self):
         config = LookaheadConfig(window=3, ngram=3, guess=4, cache_commit="refeed")
-        sequence = _sequence(config)
-        choice = sequence.policy.plan(offer_candidates(sequence, [PoolCandidates(2)], max_positions=None))
-        layout = StepLayout(3, 2, AttentionGroup(0, None), torch.float32, torch.device("cpu"))
-        row = layout.row(sequence.pending, sequence.position, None, choice.tree)
+        sequence = _sequence(config, refeed=True)
+        offer = offer_candidates(sequence, [PoolCandidates(2)], max_positions=None)
+        choice = sequence.policy.plan(offer)
+        step = sequence.plan(offer, LAYOUT, room=3)
         sequence.tokens.extend([6, 7, 11])
         verdict = Verdict([6, 7, 11], [0, choice.tree.child(0, 7)], [], [])
-        learn_from_step(sequence, choice, row, verdict, 3, [6, 7, 11], config, refeed=True)
+        sequence.learn(step, verdict, 3, [6, 7, 11])
         self.assertEqual(sequence.pending, [6, 7, 11])
+
+    def test_an_undone_step_feeds_its_pending_and_kept_tokens_again(self):
+        sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
+        step = sequence.plan(StepChoice.empty(sequence.policy.offer(TokenTree(), False, 1)).offer, LAYOUT)
+        sequence.tokens.extend([6, 7])
+        sequence.learn(step, Verdict([6, 7], [0], [], []), 2, [6, 7], undone=True)
+        self.assertEqual(sequence.pending, [5, 6, 7])
 
 
 if __name__ == "__main__":

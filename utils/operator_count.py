@@ -121,11 +121,12 @@ def pass_milliseconds(model, contexts: tuple[int, ...], step_tokens: int = 33, r
         contexts (`tuple[int]`): cached tokens before the step.
     """
     import time
+    from contextlib import nullcontext
 
     from transformers import DynamicCache
 
-    from transformers_lookahead.compatibility import attention_implementation_for
-    from transformers_lookahead.grouped_attention import GROUPED_ATTENTION, register_grouped_attention
+    from transformers_lookahead.compatibility import grouped_sdpa_for
+    from transformers_lookahead.grouped_attention import register_grouped_attention
     from transformers_lookahead.step_forward import cache_argument
 
     register_grouped_attention()
@@ -148,9 +149,9 @@ def pass_milliseconds(model, contexts: tuple[int, ...], step_tokens: int = 33, r
         times = {"repeated": [], "grouped": []}
         # The first round warms kernels and the allocator up, untimed.
         for round_ in range(repeats + 1):
-            for name, attention in (("repeated", "sdpa"), ("grouped", GROUPED_ATTENTION)):
+            for name, attention in (("repeated", nullcontext), ("grouped", grouped_sdpa_for)):
                 started = time.perf_counter()
-                with torch.no_grad(), attention_implementation_for(model.config, attention):
+                with torch.no_grad(), attention(model.config):
                     model(
                         input_ids=ids,
                         position_ids=positions,

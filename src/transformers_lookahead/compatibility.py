@@ -99,24 +99,31 @@ def pad_token_id(generation_config: GenerationConfig) -> int | None:
     return None if pad is None else int(pad)
 
 
+# The name `grouped_attention` registers its sdpa under: Transformers' sdpa, computed without copies of grouped
+# key/value heads, which the package reads as "sdpa".
+GROUPED_SDPA = "lookahead_grouped_sdpa"
+
+
 def attention_implementation(model: PreTrainedModel | PretrainedConfig) -> str | None:
     """The attention backend a model (its config) or a (sub-)config names (`PretrainedConfig._attn_implementation`)."""
     config = model if isinstance(model, PretrainedConfig) else model.config
-    return config._attn_implementation
+    name = config._attn_implementation
+    return "sdpa" if name == GROUPED_SDPA else name
 
 
 @contextmanager
-def attention_implementation_for(config: PretrainedConfig, name: str) -> Iterator[None]:
+def grouped_sdpa_for(config: PretrainedConfig) -> Iterator[None]:
     """
-    Runs the block with `config` naming the attention backend `name`, then puts back the one it named. Only `config`
-    itself: the setter of `_attn_implementation` would also overwrite every sub-config's own.
+    Runs the block with `config` naming `GROUPED_SDPA` instead of `"sdpa"`, only `config` itself (the setter of
+    `_attn_implementation` would also overwrite every sub-config's own). `"sdpa"` is put back whatever the config
+    named when the block began: a pass of another thread on the same model may have named `GROUPED_SDPA` already,
+    and the model must not keep it. Passes of such a thread run either function, whose outputs are identical.
     """
-    previous = config._attn_implementation_internal
-    config._attn_implementation_internal = name
+    config._attn_implementation_internal = GROUPED_SDPA
     try:
         yield
     finally:
-        config._attn_implementation_internal = previous
+        config._attn_implementation_internal = "sdpa"
 
 
 def set_attention_implementation_unchecked(model: PreTrainedModel, name: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,20 +50,19 @@ from .compatibility import (
 )
 from .configuration_lookahead import LookaheadConfig
 from .cost_measurement import model_key
-from .cost_model import EngineStepCost, StepCostModel, StepPricing
+from .cost_model import EngineStepCost, StepCostModel, padded_step_cost, padded_table
 from .lookahead_state import LookaheadState
-from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
+from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep, offer_candidates
 from .step_forward import logits_at, max_positions
-from .step_layout import AttentionGroup, RowStep, StepLayout
-from .step_policy import StepChoice, batch_step_length, choose_window
+from .step_layout import RowLayout
+from .step_policy import batch_step_length
 from .token_tree import TokenTree
-from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, read_choices
+from .verification import GreedyVerifier, read_choices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from .suffix_memory import SuffixMemory
 
 # The paged-attention backends that take an explicit mask (the flash ones build causal masks from sequence lengths).
 MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
@@ -84,24 +82,6 @@ class LookaheadGenerationOutput(GenerationOutput):
     """
 
     accepted_per_step: list[int] = field(default_factory=list)
-
-
-@dataclass
-class RequestStep:
-    """
-    One decoding request's part of a step.
-
-    Args:
-        lookahead (`SequenceLookahead`): the request's lookahead.
-        choice (`StepChoice`): what its policy chose.
-        row (`RowStep`): its tokens, positions and visibility in the step.
-        past (`int`): the tokens of the request in its pages before the step (its pending token's position).
-    """
-
-    lookahead: SequenceLookahead
-    choice: StepChoice
-    row: RowStep
-    past: int
 
 
 class LookaheadBatching:
@@ -142,13 +122,11 @@ class LookaheadBatching:
         query_padding: int | None = None,
     ):
         self.config = config
-        self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.state = state
         self.max_batch_tokens = max_batch_tokens
         self.query_padding = query_padding
         self.max_positions = max_positions(model)
-        self.cost = cost
         self.engine_cost = None
         # Keyed as the model runs in the engine (paged attention): steps of another dtype or thread count, or of
         # the model's own backend, would price these wrongly.
@@ -160,31 +138,20 @@ class LookaheadBatching:
             )
         # Query and key tokens of the pass `lay_out` prepared, and the requests it verifies, for `observe_step`.
         self.step_shape: tuple[int, int, int] | None = None
-        self.pricing = None
-        if config.adaptive:
-            one_request = padded_table(cost, 1, query_padding, max_batch_tokens) if query_padding else cost
-            self.window_size = choose_window(one_request, config.levels, tuning)
-            # The engine times whole steps itself (`EngineStepCost`), not through the policies' pricing.
-            self.pricing = StepPricing(cost, tuning=tuning)
-        else:
-            self.window_size = config.window
-        self.memory: SuffixMemory | None = None
-        if config.memory:
-            self.memory = state.memory(model, config.memory_namespace, config.memory_size)
+        # A window for one request, priced as the engine pads it; the engine times whole steps itself
+        # (`EngineStepCost`), not through the policies' pricing, which `plan` prices per batch.
+        window_cost = padded_table(cost, 1, query_padding, max_batch_tokens) if cost and query_padding else None
         self.factory = LookaheadFactory(
-            config, self.window_size, self.do_sample, state.recall, self.memory, self.pricing, tuning
+            model, config, state, bool(generation_config.do_sample), cost, batch_size=None, window_cost=window_cost
         )
-        # Only `row` is used: Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
-        self.layout = StepLayout(
-            self.window_size, config.levels, AttentionGroup(0, None), model.dtype, torch.device("cpu")
-        )
+        # Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
+        self.layout = RowLayout(self.factory.window_size, config.levels, torch.device("cpu"))
         self.requests: dict[str, SequenceLookahead] = {}
-        self.steps: dict[str, RequestStep] = {}
+        self.steps: dict[str, SequenceStep] = {}
         self.logits: torch.Tensor | None = None
         self.choices: list[int] = []
         self.logits_rows: dict[str, tuple[int, int]] = {}
         self.moves: list[tuple[str, int, int, int, list[int]]] = []
-        self._batch_size = 0
 
     def reset(self) -> None:
         self.requests.clear()
@@ -213,10 +180,11 @@ class LookaheadBatching:
         if not decoding:
             return
         lookaheads = [self.requests[request_id] for request_id, _ in decoding]
-        self._use_batch_cost(len(decoding))
-        offers = [offer_candidates(lookahead, self.factory.sources, self.max_positions) for lookahead in lookaheads]
         share = SHARE_WHILE_REQUESTS_WAIT if requests_wait else 1.0
         longest = max(1, int(self.max_batch_tokens * share) // len(decoding))
+        # A step of T tokens per request costs what `requests x T` tokens cost: the policies plan with that.
+        self.factory.price_batch(len(decoding), self.query_padding, self.max_batch_tokens // len(decoding))
+        offers = [offer_candidates(lookahead, self.factory.sources, self.max_positions) for lookahead in lookaheads]
         budget = None
         if self.config.adaptive:
             lengths = sorted(
@@ -226,30 +194,16 @@ class LookaheadBatching:
             engine_cost = self.engine_cost.for_batch(len(decoding), cached) if self.engine_cost else None
             if engine_cost and self.query_padding:
                 engine_cost = padded_step_cost(engine_cost, len(decoding), self.query_padding)
-            step_cost = engine_cost or self.pricing
-            budget = batch_step_length(offers, step_cost, tuple(lengths or [1]))
+            budget = batch_step_length(offers, engine_cost or self.factory.pricing, tuple(lengths or [1]))
         room = self.max_batch_tokens
         for (request_id, state), lookahead, offer in zip(decoding, lookaheads, offers):
-            choice = lookahead.policy.plan(offer, budget)
-            window_tokens = lookahead.window.flat() if choice.use_window else None
-            row = self.layout.row(lookahead.pending, lookahead.position, window_tokens, choice.tree)
-            if row.length > min(longest, room - (len(decoding) - len(self.steps) - 1)):
-                # A fixed shape that does not fit this step's budget verifies nothing this time.
-                choice = StepChoice(offer, False, offer.tree.subtree([]))
-                row = self.layout.row(lookahead.pending, lookahead.position, None, choice.tree)
-            room -= row.length
-            self.steps[request_id] = RequestStep(lookahead, choice, row, state.position_offset)
-            state.tokens_to_process = list(row.tokens)
-
-    def _use_batch_cost(self, batch_size: int) -> None:
-        """A step of T tokens per request costs what `batch_size x T` tokens cost: the policies plan with that."""
-        if self.pricing is None or batch_size == self._batch_size:
-            return
-        self._batch_size = batch_size
-        table = self.cost.for_batch(batch_size)
-        if self.query_padding:
-            table = padded_table(table, batch_size, self.query_padding, self.max_batch_tokens // batch_size)
-        self.pricing.use_table(table)
+            # Within the step's budget, leaving every request after this one a token.
+            fits = min(longest, room - (len(decoding) - len(self.steps) - 1))
+            step = lookahead.plan(offer, self.layout, budget, fits)
+            step.past = state.position_offset
+            room -= step.row.length
+            self.steps[request_id] = step
+            state.tokens_to_process = list(step.row.tokens)
 
     def unplan(self, scheduled: set[str], active: dict[str, RequestState]) -> None:
         """Puts back the pending token of the planned requests the scheduler left out of the step."""
@@ -257,7 +211,7 @@ class LookaheadBatching:
             step = self.steps.pop(request_id)
             state = active.get(request_id)
             if state is not None:
-                state.tokens_to_process = step.lookahead.tokens[-1:]
+                state.tokens_to_process = step.sequence.tokens[-1:]
 
     # Laying out, after Transformers prepared the batch.
 
@@ -310,7 +264,9 @@ class LookaheadBatching:
 
     # Settling, after the forward pass.
 
-    def settle(self, state: RequestState, return_logprobs: bool) -> tuple[SequenceLookahead, RequestStep | None, bool]:
+    def settle(
+        self, state: RequestState, return_logprobs: bool
+    ) -> tuple[SequenceLookahead, SequenceStep | None, bool]:
         """
         Verifies one request's part of the step (`state`, its next token due) and appends what it accepted, with
         log-probabilities where `return_logprobs`; its entries' moves wait for `commit`. Returns the request's
@@ -319,50 +275,57 @@ class LookaheadBatching:
         request_id = state.request_id
         lookahead = self.requests.get(request_id)
         step = self.steps.get(request_id)
+        first, count = self.logits_rows[request_id]
+        logits, choices = self.logits[first : first + count], self.choices[first : first + count]
+        finished = False
+
+        def stop(token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
+            nonlocal finished
+            logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if return_logprobs else None
+            finished = state.update_and_check_completion(token, logprob)
+            return finished
+
         if lookahead is None:
             # Right after its prefill: its lookahead is built from its prompt and this first token, as in `generate`.
             tokens = list(state.initial_tokens) + list(state.generated_tokens)
             remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
-            limit, verifier = len(tokens) + remaining, self._verifier(state)
-        else:
-            tokens, limit, verifier = lookahead.tokens, lookahead.limit, lookahead.verifier
-        first, count = self.logits_rows[request_id]
-        logits, choices = self.logits[first : first + count], self.choices[first : first + count]
-        verified = step is not None and step.row.length > 1
-        tree, tree_row = (step.choice.tree, step.row.tree_row) if verified else (TokenTree(), 1)
-        input_ids = torch.tensor([tokens], device="cpu") if verifier.logits_processor else None
-        verdict = verifier.verify(logits, tree, tree_row, input_ids, limit - len(tokens), choices)
-        kept, finished = 0, False
-        for token, scores in zip(verdict.tokens, verdict.scores):
-            kept += 1
-            logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if return_logprobs else None
-            tokens.append(token)
-            finished = state.update_and_check_completion(token, logprob)
-            if finished:
-                break
-        if lookahead is None:
-            lookahead = self.factory.build(tokens, limit, verifier)
-            self.requests[request_id] = lookahead
-        elif step is not None:
-            learn_from_step(
-                lookahead,
-                step.choice,
-                step.row,
-                verdict,
-                kept,
-                choices,
-                self.config,
-                observer=self.state.step_observer,
+            processors = request_processors(self.logits_processor, state.logit_processor_kwargs)
+            verifier = self.factory.verifiers([processors_for_row(processors, 0, 1)])[0]
+            verdict = verifier.verify(logits, TokenTree(), 1, self._input_ids(verifier, tokens), remaining, choices)
+            tokens.append(verdict.tokens[0])
+            stop(verdict.tokens[0], verdict.logits[0], verdict.scores[0])
+            lookahead = self.requests[request_id] = SequenceLookahead(
+                tokens,
+                len(tokens) - 1 + remaining,
+                *(
+                    self.factory,
+                    verifier,
+                ),
             )
         else:
-            # A plain one-token step (the scheduler left its block out): the text moved on, nothing was verified.
-            lookahead.advance(kept, self.config)
-        if verified and not finished:
-            self.moves.append((request_id, step.past, step.row.length, step.row.tree_start, verdict.nodes[: kept - 1]))
-            state.position_offset = step.past + kept
+            verified = step is not None and step.row.length > 1
+            tree, tree_row = (step.choice.tree, step.row.tree_row) if verified else (TokenTree(), 1)
+            input_ids = self._input_ids(lookahead.verifier, lookahead.tokens)
+            room = lookahead.limit - lookahead.length
+            verdict = lookahead.verifier.verify(logits, tree, tree_row, input_ids, room, choices)
+            kept = lookahead.accept(verdict, stop)
+            if step is not None:
+                lookahead.learn(step, verdict, kept, choices)
+            else:
+                # A plain one-token step (the scheduler left its block out): the text moved on, nothing was verified.
+                lookahead.advance(kept)
+            if verified and not finished:
+                nodes = verdict.nodes[: kept - 1]
+                self.moves.append((request_id, step.past, step.row.length, step.row.tree_start, nodes))
+                state.position_offset = step.past + kept
         if finished:
             self.finish(request_id)
         return lookahead, step, finished
+
+    @staticmethod
+    def _input_ids(verifier: GreedyVerifier, tokens: list[int]) -> torch.LongTensor | None:
+        """The text as the verifier's processors read it, where it has any."""
+        return torch.tensor([tokens], device="cpu") if verifier.logits_processor else None
 
     def commit(self, cache: Any) -> None:
         """Moves the step's accepted entries into place, then gives back the pages past what each request kept."""
@@ -371,25 +334,11 @@ class LookaheadBatching:
             release_pages_past(cache, request_id, past + 1 + len(nodes))
         self.moves = []
 
-    def _verifier(self, state: RequestState) -> GreedyVerifier:
-        """How a request's tokens are checked: with its own processors, greedy or sampling."""
-        processors = processors_for_row(request_processors(self.logits_processor, state.logit_processor_kwargs), 0, 1)
-        if not self.do_sample:
-            return GreedyVerifier(processors)
-        # One seed per request from torch's generator, as `generate` draws one per sequence.
-        return SamplingVerifier(processors, PositionNoise(int(torch.randint(0, 2**62, (), device="cpu").item())))
-
     def finish(self, request_id: str) -> None:
-        """Forgets a finished request; its text joins the suffix memory (when it is on)."""
+        """Forgets a finished request; what it learnt and its text are kept for later calls (`LookaheadFactory.finish`)."""
         lookahead = self.requests.pop(request_id, None)
-        if lookahead is None:
-            return
-        if self.memory is not None:
-            self.state.add_to_memory(self.config.memory_namespace, [lookahead.tokens])
-        if self.config.adaptive:
-            self.state.remember(
-                self.factory.estimates_key(lookahead.policy), self.factory.estimates([lookahead.policy])
-            )
+        if lookahead is not None:
+            self.factory.finish([lookahead])
 
 
 class LookaheadModelRunner(ModelRunnerHooks):
@@ -652,31 +601,6 @@ def _lookahead_cb_config(
     # The stock engine would switch sdpa to a flash kernel where one is installed; those take no mask.
     cb_config.auto_switch_to_flash = False
     return cb_config
-
-
-def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval: int) -> Callable[[int], float]:
-    """
-    The cost of a step of T tokens for each of `requests` requests in an engine that pads a step's query tokens to a
-    multiple of `interval`: that of the longest length whose padded step is as long.
-    """
-
-    def cost(length: int) -> float:
-        padded = -(-requests * length // interval) * interval
-        return step_cost(max(length, padded // requests))
-
-    return cost
-
-
-def padded_table(table: StepCostModel, requests: int, interval: int, longest: int) -> StepCostModel:
-    """
-    `padded_step_cost` of a table as a table up to `longest` tokens per request, relative to a one-token step: a
-    step function, kept exact by its two lengths at each edge between paddings.
-    """
-    cost = padded_step_cost(table, requests, interval)
-    longest = max(2, longest)
-    edges = (step * interval // requests for step in range(1, longest * requests // interval + 2))
-    lengths = {1, longest} | {length for edge in edges for length in (edge, edge + 1) if 1 < length < longest}
-    return StepCostModel({length: cost(length) / cost(1) for length in lengths})
 
 
 def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:

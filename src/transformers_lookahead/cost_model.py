@@ -219,3 +219,28 @@ def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     for column, value in zip(active, solution.tolist()):
         coefficients[column] = value / float(scale[column])
     return coefficients
+
+
+def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval: int) -> Callable[[int], float]:
+    """
+    The cost of a step of T tokens for each of `requests` requests in an engine that pads a step's query tokens to a
+    multiple of `interval`: that of the longest length whose padded step is as long.
+    """
+
+    def cost(length: int) -> float:
+        padded = -(-requests * length // interval) * interval
+        return step_cost(max(length, padded // requests))
+
+    return cost
+
+
+def padded_table(table: StepCostModel, requests: int, interval: int, longest: int) -> StepCostModel:
+    """
+    `padded_step_cost` of a table as a table up to `longest` tokens per request, relative to a one-token step: a
+    step function, kept exact by its two lengths at each edge between paddings.
+    """
+    cost = padded_step_cost(table, requests, interval)
+    longest = max(2, longest)
+    edges = (step * interval // requests for step in range(1, longest * requests // interval + 2))
+    lengths = {1, longest} | {length for edge in edges for length in (edge, edge + 1) if 1 < length < longest}
+    return StepCostModel({length: cost(length) / cost(1) for length in lengths})

@@ -4,8 +4,8 @@ The masked attention of a lookahead pass without copies of the key/value heads.
 Transformers' sdpa integration repeats grouped key/value heads whenever a mask is passed, and a lookahead pass always
 has one, so every layer copied its whole cache twice per pass. PyTorch's CPU sdpa takes `enable_gqa=True` with a mask
 and computes bit-identical outputs. `grouped_sdpa` is registered through Transformers' public `AttentionInterface`
-under a name of its own (`GROUPED_ATTENTION`), and `StepForward` names it for the lookahead passes of the model it
-runs (`attention_implementation_for`): `"sdpa"`, and every other model in the process, stay as they were.
+under a name of its own (`GROUPED_SDPA`), and `StepForward` names it for the lookahead passes of the model it runs
+(`grouped_sdpa_for`): `"sdpa"`, and every other model in the process, stay as they were.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .compatibility import attention_implementation
+from .compatibility import GROUPED_SDPA, attention_implementation
 
-# The name `grouped_sdpa` is registered under; a lookahead pass of a model that takes it names it.
-GROUPED_ATTENTION = "lookahead_grouped_sdpa"
 # Devices whose sdpa takes grouped key/value heads together with a mask, with outputs identical to repeated heads.
 # CUDA's kernels fall back to the math path with a mask and grouped heads: whether that beats the copies is for a
 # measurement on a GPU (`make gpu-check`) to say, so CUDA keeps the stock path.
@@ -61,9 +59,9 @@ def grouped_sdpa(
 
 
 def register_grouped_attention() -> None:
-    """Registers `grouped_sdpa` as `GROUPED_ATTENTION`, with sdpa's masks; a new name, so nothing else changes."""
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
-    AttentionMaskInterface.register(GROUPED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    """Registers `grouped_sdpa` as `GROUPED_SDPA`, with sdpa's masks; a new name, so nothing else changes."""
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def takes_grouped_kv(model: torch.nn.Module) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,21 +18,15 @@ from .configuration_lookahead import (
     LookaheadConfig,
     validate_lookahead_setup,
 )
-from .cost_model import COST_GRID, StepCostModel, StepPricing
+from .cost_model import COST_GRID, StepCostModel
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
-from .sequence_lookahead import LookaheadFactory, SequenceLookahead, learn_from_step, offer_candidates
+from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep, offer_candidates
 from .step_check import LONGEST_CHAIN_CHECKED
 from .step_forward import StepForward, max_positions, select_rows
-from .step_layout import ChainLayout, RowStep, StepLayout, generate_position_shift
-from .step_policy import (
-    PolicyEstimates,
-    StepChoice,
-    StepOffer,
-    batch_step_length,
-    choose_window,
-)
-from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict, read_choices
+from .step_layout import ChainLayout, StepLayout, generate_position_shift
+from .step_policy import batch_step_length
+from .verification import Verdict, read_choices
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -240,12 +234,11 @@ class SequenceState(SequenceLookahead):
         index (`int`): the sequence's row in the batch `generate` was called with.
         text (`SequenceText`): its text.
         limit (`int`): the length the sequence may not exceed.
-        parts: its pool, window, policy, context index and verifier, as `SequenceLookahead` takes them
-            (`LookaheadFactory.parts`, then the verifier).
+        lookahead: its factory and verifier, as `SequenceLookahead` takes them.
     """
 
-    def __init__(self, index: int, text: SequenceText, limit: int, *parts: Any):
-        super().__init__(text.tokens, limit, *parts)
+    def __init__(self, index: int, text: SequenceText, limit: int, *lookahead: Any):
+        super().__init__(text.tokens, limit, *lookahead)
         self.index = index
         self.text = text
         self.stopped_at: int | None = None
@@ -257,21 +250,8 @@ class SequenceState(SequenceLookahead):
     def length(self) -> int:
         return self.text.length
 
-
-@dataclass
-class StepPlan:
-    """
-    One sequence's part of the next step.
-
-    Args:
-        sequence (`SequenceState`): the sequence.
-        choice (`StepChoice`): what its policy chose from what was offered (the policy learns from all of it).
-        row (`RowStep`): the sequence's tokens, positions and visibility in the step, and where its outputs are.
-    """
-
-    sequence: SequenceState
-    choice: StepChoice
-    row: RowStep
+    def append(self, token: int) -> None:
+        self.text.append(token)
 
 
 class TokenStoppingCriteria:
@@ -318,15 +298,113 @@ class TokenStoppingCriteria:
         return token in self.eos_token_ids or (self.max_length is not None and length >= self.max_length)
 
 
+class StopTracker:
+    """
+    Where each sequence stops, as plain decoding decides it: the stopping criteria after every appended token (on
+    the host where they are the default ones, `TokenStoppingCriteria`), with that token's logits and scores kept
+    for the outputs where asked.
+
+    Args:
+        stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
+        generation_config (`GenerationConfig`): whether scores and logits are returned.
+    """
+
+    def __init__(self, stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig):
+        self.stopping_criteria = stopping_criteria
+        return_dict = generation_config.return_dict_in_generate
+        self.keep_scores = return_dict and generation_config.output_scores
+        self.keep_logits = return_dict and generation_config.output_logits
+        # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
+        # criteria fired keeps generating until every sequence's have.
+        self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        self.token_stops = TokenStoppingCriteria.of(stopping_criteria)
+
+    def record(self, sequence: SequenceState, raw: torch.Tensor, processed: torch.Tensor) -> bool:
+        """Keeps the appended token's logits and scores and checks the stopping criteria; whether the sequence ends."""
+        if self.keep_scores:
+            sequence.scores.append(processed)
+        if self.keep_logits:
+            sequence.raw_logits.append(raw)
+        if sequence.stopped_at is None:
+            stops = None if self.token_stops is None else self.token_stops(sequence.length, sequence.tokens[-1])
+            if stops is None:
+                scores = tuple(sequence.scores) if self.keep_scores else None
+                stops = bool(self.stopping_criteria(sequence.text.input_ids, scores).any())
+            if stops:
+                sequence.stopped_at = sequence.length
+                return self.has_eos
+        return False
+
+    def mark_finished(self, sequences: list[SequenceState]) -> None:
+        """
+        Marks finished sequences. With an EOS criterion a sequence ends where its criteria fired. Without one, plain
+        decoding runs every sequence to the length at which the last one's criteria fired: once that length is
+        known, sequences run to it and are cut there.
+        """
+        for sequence in sequences:
+            if sequence.stopped_at is not None and (self.has_eos or sequence.length >= sequence.limit):
+                sequence.done = True
+        if self.has_eos or any(sequence.stopped_at is None for sequence in sequences):
+            return
+        final_length = max(sequence.stopped_at for sequence in sequences)
+        for sequence in sequences:
+            sequence.limit = min(sequence.limit, final_length)
+            if sequence.length >= final_length:
+                sequence.text.truncate(final_length)
+                sequence.done = True
+
+
+class SlotMap:
+    """
+    Which slots of the shared cache hold a token of which row: left padding and the slots a row left unused (it
+    accepted fewer tokens than the row that accepted the most) hold none, so every later mask hides them. `None`
+    (`valid`) for one unpadded row, whose every slot is its own.
+
+    Args:
+        valid (`torch.BoolTensor` of shape `(rows, slots)`, *optional*): the map.
+    """
+
+    def __init__(self, valid: torch.BoolTensor | None):
+        self.valid = valid
+
+    @classmethod
+    def after_prefill(
+        cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, static_cache: bool
+    ) -> SlotMap:
+        """The map after the prefill of `input_ids` (padded where `attention_mask` says)."""
+        if input_ids.shape[0] == 1 and attention_mask is None:
+            return cls(None)
+        if static_cache and input_ids.shape[0] > 1:
+            raise ValueError(
+                "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
+                f"static cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows with "
+                "a static cache. Use the default dynamic cache for batches, or one row per call."
+            )
+        if attention_mask is None:
+            return cls(torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device))
+        return cls(attention_mask.bool())
+
+    def add(self, added: int, kept_rows: list[list[int]]) -> None:
+        """Adds a step's `added` slots, of which each row holds as many as it kept (`kept_rows`)."""
+        if self.valid is not None:
+            kept = torch.tensor([len(rows) for rows in kept_rows], device=self.valid.device)
+            new_slots = torch.arange(added, device=self.valid.device)[None, :] < kept[:, None]
+            self.valid = torch.cat([self.valid, new_slots], dim=1)
+
+    def keep(self, indices: torch.LongTensor) -> None:
+        """Keeps the rows `indices`, in that order."""
+        self.valid = self.valid[indices]
+
+
 class LookaheadDecoder:
     """
     The decoding loop of one `generate` call.
 
-    Every sequence of the batch has its own window, pool, policy and acceptance; one forward pass per step serves
-    all of them, each sequence's step padded to the longest. The cache is shared: after a step every sequence gets
-    as many new slots as the sequence that accepted the most, and `slot_valid` records which slots hold a token of
-    which sequence (left padding and unused slots do not), so every later mask hides the others. Finished
-    sequences leave the batch (`Cache.batch_select_indices`), so they stop costing compute.
+    Every sequence of the batch has its own lookahead (`SequenceState`); one forward pass per step serves all of
+    them, each sequence's part padded to the longest. The cache is shared: after a step every sequence gets as many
+    new slots as the sequence that accepted the most (`SlotMap`). Finished sequences leave the batch
+    (`Cache.batch_select_indices`), so they stop costing compute. What only this loop does is here: the batch's
+    padding and masks, the shared cache's commit, compiled step shapes and `generate`'s outputs.
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -359,58 +437,40 @@ class LookaheadDecoder:
         self.chain = chain
         self.config = config
         self.logits_processor = logits_processor
-        self.stopping_criteria = stopping_criteria
         self.generation_config = generation_config
         self.committer = committer
         self.forward = forward
         self.state = state if state is not None else LookaheadState()
-        tuning = self.state.tuning
+        self.stops = StopTracker(stopping_criteria, generation_config)
         # Tensor-parallel ranks must take identical steps (see `RankSync`); `None` on one device.
         self.sync = RankSync.for_model(model)
+        cost = None
         if config.adaptive:
             # The cost table is per model, not per batch: an encoder-decoder model is timed over one input.
             first_input = None
             if forward.is_encoder_decoder:
                 first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
-            self.cost = self.state.cost_model(model, encoder_outputs=first_input, chain=chain)
+            cost = self.state.cost_model(model, encoder_outputs=first_input, chain=chain)
             if self.sync is not None:
-                self.cost = self.sync.agree(self.cost)
-            batch_cost = self.cost.for_batch(batch_size)
-            self.window_size = choose_window(batch_cost, config.levels, tuning)
-            # One pricing for the batch: every row's step costs what the batch's step costs.
-            self.pricing = StepPricing(batch_cost, self.follows_durations, tuning)
-        else:
-            self.window_size = config.window
-            self.pricing = None
+                cost = self.sync.agree(cost)
+        # Recurrent states cannot keep part of a step: its entries are kept whole ("gather") or the step is undone.
+        self.recurrent = committer.states is not None
+        self.strategy = "gather" if self.recurrent else config.cache_commit
+        self.factory = LookaheadFactory(
+            model,
+            config,
+            self.state,
+            bool(generation_config.do_sample),
+            cost,
+            batch_size=batch_size,
+            # `"auto"` learns from step durations, but not where the state says so, nor on tensor-parallel ranks.
+            timed=self.sync is None and self.state.follow_durations,
+            sync=self.sync,
+            refeed=self.strategy == "refeed",
+        )
         # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
         self.max_positions = max_positions(model)
         self.position_shift = generate_position_shift(model)
-        return_dict = generation_config.return_dict_in_generate
-        self.keep_scores = return_dict and generation_config.output_scores
-        self.keep_logits = return_dict and generation_config.output_logits
-        # As in plain decoding: with an EOS criterion a finished sequence is padded; without one, a sequence whose
-        # criteria fired keeps generating until every sequence's have.
-        self.has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-        self.token_stops = TokenStoppingCriteria.of(stopping_criteria)
-        self._carried: dict[tuple, PolicyEstimates | None] = {}
-        # Earlier calls' text, whose continuations the steps also verify; this call's is added when it ends.
-        self.memory = None
-        if config.memory:
-            self.memory = self.state.memory(model, config.memory_namespace, config.memory_size)
-        self.factory = LookaheadFactory(
-            config,
-            self.window_size,
-            bool(generation_config.do_sample),
-            self._carried_estimates,
-            self.memory,
-            self.pricing,
-            tuning,
-        )
-
-    @property
-    def follows_durations(self) -> bool:
-        """Whether `"auto"` learns from step durations: not where the state says so, nor on tensor-parallel ranks."""
-        return self.sync is None and self.state.follow_durations
 
     def run(
         self,
@@ -419,23 +479,19 @@ class LookaheadDecoder:
         streamer: BaseStreamer | None,
     ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
         """Prefills the prompts, then runs steps until every sequence has stopped."""
+        # 1. Prefill: the prompts' first tokens, every sequence's lookahead, the cache's slot map.
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        sequences, slot_valid = self._prefill(input_ids, model_kwargs, streamer)
+        sequences, slots = self._prefill(input_ids, model_kwargs, streamer)
         self.committer.start()
         self._choose_forward(model_kwargs)
         layout = (ChainLayout if self.chain else StepLayout).for_model(
-            self.model, self.committer.cache, self.window_size, self.config.levels
+            self.model, self.committer.cache, self.factory.window_size, self.config.levels
         )
         forward_passes = 1
-        active = [sequence for sequence in sequences if not sequence.done]
-        if active and len(active) < len(sequences):
-            slot_valid = self._keep_running(active, sequences, slot_valid)
-        # Recurrent states cannot keep part of a step: its entries are kept whole ("gather") or the step is undone.
-        recurrent = self.committer.states is not None
-        strategy = "gather" if recurrent else self.config.cache_commit
-        refeed, observer = strategy == "refeed", self.state.step_observer
+        active = self._settle(sequences, sequences, slots)
         while True:
+            # 2. Plan: each running sequence's part of the step, within the length the batch settles on.
             plans = self._plan(active, layout) if active else []
             if self.sync is not None:
                 # Every rank takes this step, or stops here, together.
@@ -443,7 +499,10 @@ class LookaheadDecoder:
             if not plans:
                 break
             rows = [plan.row for plan in plans]
-            step = layout.build(self.committer.cache, rows, slot_valid, self._bucket(plans), self.committer.seq_length)
+            # 3. Forward: one pass for the batch, every part padded to the longest and masked.
+            step = layout.build(
+                self.committer.cache, rows, slots.valid, self._bucket(plans), self.committer.seq_length
+            )
             self.committer.before_step(feeds_guesses=any(row.pending_length < step.length for row in rows))
             started = time.perf_counter()
             logits = self.forward(step)
@@ -451,55 +510,41 @@ class LookaheadDecoder:
             # The step's one device-to-host transfer: the model's choice at every row it kept.
             choices = read_choices(logits)
             row_choices = [step.choices_of(b, choices) for b in range(len(plans))]
+            # 4. Verify each sequence's part, and append what it accepted until it stops.
             verdicts = [self._verify(plan, step.logits_of(b, logits), row_choices[b]) for b, plan in enumerate(plans)]
             if self.chain and len(plans) > 1:
                 # Chain steps leave positions to the model, which may number them by cache slot: every row keeps as
                 # many tokens (any prefix of a verdict is plain decoding's), so no row has an unused slot.
                 shortest = min(len(verdict.tokens) for verdict in verdicts)
                 verdicts = [verdict.truncated(shortest) for verdict in verdicts]
-            verdicts = [(verdict, self._keep(plan, verdict, streamer)) for plan, verdict in zip(plans, verdicts)]
+            kept = [self._accept(plan.sequence, verdict, streamer) for plan, verdict in zip(plans, verdicts)]
             # The choices reached the host, so on accelerators too the step has finished here.
             elapsed = time.perf_counter() - started
+            # 5. Commit the kept entries to the cache, or undo a step a recurrent state cannot keep part of.
             kept_rows = [
-                plan.row.kept_rows(verdict.nodes[: kept - 1], strategy)
-                for plan, (verdict, kept) in zip(plans, verdicts)
+                plan.row.kept_rows(verdict.nodes[: count - 1], self.strategy)
+                for plan, verdict, count in zip(plans, verdicts, kept)
             ]
-            # A recurrent state holds every token the step fed: unless every row keeps them all, the step is undone
-            # and its accepted tokens are fed again.
-            undone = recurrent and any(rows != list(range(step.length)) for rows in kept_rows)
+            undone = self.recurrent and any(rows != list(range(step.length)) for rows in kept_rows)
             if undone:
                 self.committer.undo(step.length)
             else:
-                slot_valid = self._commit(step.length, kept_rows, slot_valid)
-            for plan, (verdict, kept), choices_of_row in zip(plans, verdicts, row_choices):
-                learn_from_step(
-                    plan.sequence,
-                    plan.choice,
-                    plan.row,
-                    verdict,
-                    kept,
-                    choices_of_row,
-                    self.config,
-                    refeed,
-                    observer,
-                    undone=undone,
-                )
-            if self.pricing is not None and self.pricing.timed:
-                self.pricing.observe(step.length, elapsed)
-            active, slot_valid = self._settle(sequences, active, slot_valid)
+                slots.add(self.committer.commit(step.length, kept_rows), kept_rows)
+            # 6. Learn: each sequence's policy, window and pool; the pricing, from the step's duration.
+            for plan, verdict, count, choices_of_row in zip(plans, verdicts, kept, row_choices):
+                plan.sequence.learn(plan, verdict, count, choices_of_row, undone=undone)
+            if self.factory.pricing is not None and self.factory.pricing.timed:
+                self.factory.pricing.observe(step.length, elapsed)
+            active = self._settle(sequences, active, slots)
 
         if streamer is not None:
             streamer.end()
-        if self.config.adaptive:
-            estimates = self.factory.estimates([sequence.policy for sequence in sequences])
-            self.state.remember(self.factory.estimates_key(sequences[0].policy), estimates)
-        if self.memory is not None:
-            self.state.add_to_memory(self.config.memory_namespace, [sequence.tokens for sequence in sequences])
-        return self._outputs(sequences, forward_passes, slot_valid)
+        self.factory.finish(sequences)
+        return self._outputs(sequences, forward_passes, slots)
 
     def _prefill(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], streamer: BaseStreamer | None
-    ) -> tuple[list[SequenceState], torch.BoolTensor | None]:
+    ) -> tuple[list[SequenceState], SlotMap]:
         """Runs the prompts through the model, appends each sequence's first token and equips the sequences."""
         attention_mask = model_kwargs.get(
             "decoder_attention_mask" if self.forward.is_encoder_decoder else "attention_mask"
@@ -511,59 +556,44 @@ class LookaheadDecoder:
         # Every row has its processors to itself from the first token on: some keep state per batch row.
         processors = [processors_for_row(self.logits_processor, index, rows) for index in range(rows)]
         first_scores = torch.cat([processors[i](input_ids[i : i + 1], first[i : i + 1]) for i in range(rows)])
-        noises = None
+        verifiers = self.factory.verifiers(processors)
         if self.generation_config.do_sample:
-            # One seed per sequence from torch's generator: `torch.manual_seed` fixes the call's text.
-            seeds = torch.randint(0, 2**62, (input_ids.shape[0],), dtype=torch.int64, device="cpu").tolist()
-            noises = [PositionNoise(seed) for seed in seeds]
             first_tokens = [
-                noise.sample(first_scores[index], input_ids.shape[1]) for index, noise in enumerate(noises)
+                verifier.noise.sample(first_scores[index], input_ids.shape[1])
+                for index, verifier in enumerate(verifiers)
             ]
         else:
             first_tokens = first_scores.argmax(-1).tolist()
 
-        slot_valid = self._initial_slots(input_ids, attention_mask)
+        slots = SlotMap.after_prefill(input_ids, attention_mask, self.committer.is_static)
         sequences = []
-        for index in range(input_ids.shape[0]):
+        limit = self.generation_config.max_length
+        for index in range(rows):
             row = input_ids[index : index + 1]
-            tokens = row[0].tolist() if slot_valid is None else row[0, slot_valid[index]].tolist()
-            padding = row.shape[1] - len(tokens)
-            limit = self.generation_config.max_length
+            tokens = row[0].tolist() if slots.valid is None else row[0, slots.valid[index]].tolist()
             text = SequenceText(row, tokens, limit)
             appended = text.length < limit
             if appended:
                 text.append(first_tokens[index])
             # Built from the prompt and its first token, as every later step sees the text.
-            verifier = GreedyVerifier(processors[index])
-            if noises is not None:
-                verifier = SamplingVerifier(processors[index], noises[index])
-            sequence = self._new_sequence(index, text, limit, verifier)
+            sequence = SequenceState(index, text, limit, self.factory, verifiers[index])
+            padding = row.shape[1] - len(tokens)
             sequence.position_offset = padding if self.position_shift is None else self.position_shift
             if appended:
-                self._record(sequence, first[index : index + 1], first_scores[index : index + 1])
+                self.stops.record(sequence, first[index : index + 1], first_scores[index : index + 1])
             sequences.append(sequence)
         self._stream(streamer, sequences[0], 1)
-        self._mark_finished(sequences)
-        return sequences, slot_valid
+        return sequences, slots
 
-    def _new_sequence(self, index: int, text: SequenceText, limit: int, verifier: GreedyVerifier) -> SequenceState:
-        """A sequence with its own pool, window and policy, seeded from its text, and its `verifier`."""
-        return SequenceState(index, text, limit, *self.factory.parts(text.tokens), verifier)
-
-    def _carried_estimates(self, key: tuple) -> PolicyEstimates | None:
-        """What the last call of this kind left for a policy of this shape; rank 0's under tensor parallelism."""
-        if key not in self._carried:
-            learnt = self.state.recall(key)
-            self._carried[key] = learnt if self.sync is None else self.sync.agree(learnt)
-        return self._carried[key]
-
-    def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[StepPlan]:
+    def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[SequenceStep]:
         """
         Chooses each sequence's part of the step: whether its window runs, and its candidates. The forward pass costs
         what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
         the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
         """
-        offers = [self._offer(sequence) for sequence in active]
+        chain = LONGEST_CHAIN_CHECKED if self.chain else None
+        offers = [offer_candidates(sequence, self.factory.sources, self.max_positions, chain) for sequence in active]
+        # A static cache has room for so many more entries: the step must fit.
         room = self.committer.room()
         budget = None
         adapts = active[0].policy.adapts
@@ -573,37 +603,13 @@ class LookaheadDecoder:
             if not fitting:
                 budget = 1
             elif adapts:
-                budget = batch_step_length(offers, self.pricing, (1, *fitting))
+                budget = batch_step_length(offers, self.factory.pricing, (1, *fitting))
         elif adapts and len(active) > 1:
-            budget = batch_step_length(offers, self.pricing)
-        plans = []
-        for sequence, offer in zip(active, offers):
-            if budget == 1:
-                choice = StepChoice(offer, False, offer.tree.subtree([]))
-            else:
-                choice = sequence.policy.plan(offer, budget)
-            use_window, tree = choice.use_window, choice.tree
-            pending = offer.pending
-            if room is not None:
-                # A static cache has room for `room` more entries: the step must fit, the window first to go.
-                if use_window and pending + len(sequence.window) + len(tree) > room:
-                    use_window = False
-                if pending + len(tree) > room:
-                    tree = tree.subtree(list(range(room - pending)))
-            if use_window != choice.use_window or tree is not choice.tree:
-                # Trimmed to fit: no longer the choice its prediction was made for, so it does not calibrate.
-                choice = replace(choice, use_window=use_window, tree=tree, predicted=0.0)
-            window_tokens = sequence.window.flat() if use_window else None
-            row = layout.row(sequence.pending, sequence.position, window_tokens, tree)
-            plans.append(StepPlan(sequence, choice, row))
-        return plans
-
-    def _offer(self, sequence: SequenceState) -> StepOffer:
-        chain = LONGEST_CHAIN_CHECKED if self.chain else None
-        return offer_candidates(sequence, self.factory.sources, self.max_positions, chain)
+            budget = batch_step_length(offers, self.factory.pricing)
+        return [sequence.plan(offer, layout, budget, room) for sequence, offer in zip(active, offers)]
 
     @staticmethod
-    def _verify(plan: StepPlan, logits: torch.Tensor, choices: list[int]) -> Verdict:
+    def _verify(plan: SequenceStep, logits: torch.Tensor, choices: list[int]) -> Verdict:
         """Verifies one sequence's part of the step."""
         sequence = plan.sequence
         return sequence.verifier.verify(
@@ -615,54 +621,26 @@ class LookaheadDecoder:
             choices,
         )
 
-    def _keep(self, plan: StepPlan, verdict: Verdict, streamer: BaseStreamer | None) -> int:
-        """
-        Appends what one sequence accepted; returns how many of its tokens were kept (fewer where a stopping
-        criterion or the length limit fired inside the chunk).
-        """
-        kept = self._append(plan.sequence, verdict)
-        self._stream(streamer, plan.sequence, kept)
+    def _accept(self, sequence: SequenceState, verdict: Verdict, streamer: BaseStreamer | None) -> int:
+        """Appends what one sequence accepted until it stops (`StopTracker`), and streams it; returns how many."""
+        kept = sequence.accept(verdict, lambda token, raw, processed: self.stops.record(sequence, raw, processed))
+        self._stream(streamer, sequence, kept)
         return kept
 
-    def _commit(
-        self, step_length: int, kept_rows: list[list[int]], slot_valid: torch.BoolTensor | None
-    ) -> torch.BoolTensor | None:
-        """Keeps each sequence's accepted entries in the cache; returns the slot map with the step's new slots."""
-        added = self.committer.commit(step_length, kept_rows)
-        if slot_valid is None:
-            return None
-        kept_counts = torch.tensor([len(rows) for rows in kept_rows], device=slot_valid.device)
-        new_slots = torch.arange(added, device=slot_valid.device)[None, :] < kept_counts[:, None]
-        return torch.cat([slot_valid, new_slots], dim=1)
-
     def _settle(
-        self, sequences: list[SequenceState], active: list[SequenceState], slot_valid: torch.BoolTensor | None
-    ) -> tuple[list[SequenceState], torch.BoolTensor | None]:
+        self, sequences: list[SequenceState], active: list[SequenceState], slots: SlotMap
+    ) -> list[SequenceState]:
         """Marks finished sequences and drops them from the batch; returns the sequences still running."""
-        self._mark_finished(sequences)
+        self.stops.mark_finished(sequences)
         running = [sequence for sequence in active if not sequence.done]
         if running and len(running) < len(active):
-            slot_valid = self._keep_running(running, active, slot_valid)
-            if self.config.adaptive:
-                # A smaller batch makes each extra token per row cheaper again.
-                self.pricing.use_table(self.cost.for_batch(len(running)))
-        return running, slot_valid
-
-    def _initial_slots(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
-    ) -> torch.BoolTensor | None:
-        """Which cache slots hold a token of each row after the prefill; `None` for one unpadded row."""
-        if input_ids.shape[0] == 1 and attention_mask is None:
-            return None
-        if self.committer.is_static and input_ids.shape[0] > 1:
-            raise ValueError(
-                "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
-                f"static cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows with "
-                "a static cache. Use the default dynamic cache for batches, or one row per call."
-            )
-        if attention_mask is None:
-            return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-        return attention_mask.bool()
+            # Dropped from the cache, so that the next steps compute only the running ones.
+            keep = torch.tensor([active.index(sequence) for sequence in running], device=slots.valid.device)
+            self.forward.select(keep)
+            slots.keep(keep)
+            # A smaller batch makes each extra token per row cheaper again.
+            self.factory.price_batch(len(running))
+        return running
 
     def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:
         """
@@ -675,10 +653,11 @@ class LookaheadDecoder:
         if not self.committer.is_static or not can_auto_compile(model, model_kwargs, generation_config):
             return
         self.forward.compile(generation_config.compile_config)
-        longest = self.config.max_step_length(self.window_size)
-        self.buckets = compiled_buckets(self.cost, longest, self.state.tuning) if self.config.adaptive else (longest,)
+        longest = self.config.max_step_length(self.factory.window_size)
+        cost, tuning = self.factory.cost, self.state.tuning
+        self.buckets = compiled_buckets(cost, longest, tuning) if self.config.adaptive else (longest,)
 
-    def _bucket(self, plans: list[StepPlan]) -> int | None:
+    def _bucket(self, plans: list[SequenceStep]) -> int | None:
         """The length a compiled step is padded to: the shortest bucket that holds its longest row."""
         if self.buckets is None:
             return None
@@ -688,72 +667,18 @@ class LookaheadDecoder:
         # Planning keeps steps within the buckets; a longer one fails in the layout rather than compiling anew.
         return next((bucket for bucket in self.buckets if bucket >= length), self.buckets[-1])
 
-    def _keep_running(
-        self, running: list[SequenceState], batch: list[SequenceState], slot_valid: torch.BoolTensor
-    ) -> torch.BoolTensor:
-        """Drops finished sequences from the cache, so the next steps compute only the running ones."""
-        keep = torch.tensor([batch.index(sequence) for sequence in running], device=slot_valid.device)
-        self.forward.select(keep)
-        return slot_valid[keep]
-
-    def _append(self, sequence: SequenceState, verdict: Verdict) -> int:
-        """Appends tokens one at a time, as plain decoding would, until the sequence stops; returns how many."""
-        kept = 0
-        for token, raw, processed in zip(verdict.tokens, verdict.logits, verdict.scores):
-            if sequence.length >= sequence.limit:
-                break
-            kept += 1
-            sequence.text.append(token)
-            if self._record(sequence, raw, processed):
-                break
-        return kept
-
-    def _record(self, sequence: SequenceState, raw: torch.Tensor, processed: torch.Tensor) -> bool:
-        """Keeps the appended token's logits and scores and checks the stopping criteria; whether the sequence ends."""
-        if self.keep_scores:
-            sequence.scores.append(processed)
-        if self.keep_logits:
-            sequence.raw_logits.append(raw)
-        if sequence.stopped_at is None:
-            stops = None if self.token_stops is None else self.token_stops(sequence.length, sequence.tokens[-1])
-            if stops is None:
-                scores = tuple(sequence.scores) if self.keep_scores else None
-                stops = bool(self.stopping_criteria(sequence.text.input_ids, scores).any())
-            if stops:
-                sequence.stopped_at = sequence.length
-                return self.has_eos
-        return False
-
-    def _mark_finished(self, sequences: list[SequenceState]) -> None:
-        """
-        Marks finished sequences. With an EOS criterion a sequence ends where its criteria fired. Without one, plain
-        decoding runs every sequence to the length at which the last one's criteria fired: once that length is
-        known, sequences run to it and are cut there.
-        """
-        for sequence in sequences:
-            if sequence.stopped_at is not None and (self.has_eos or sequence.length >= sequence.limit):
-                sequence.done = True
-        if self.has_eos or any(sequence.stopped_at is None for sequence in sequences):
-            return
-        final_length = max(sequence.stopped_at for sequence in sequences)
-        for sequence in sequences:
-            sequence.limit = min(sequence.limit, final_length)
-            if sequence.length >= final_length:
-                sequence.text.truncate(final_length)
-                sequence.done = True
-
     def _outputs(
-        self, sequences: list[SequenceState], forward_passes: int, slot_valid: torch.BoolTensor | None
+        self, sequences: list[SequenceState], forward_passes: int, slots: SlotMap
     ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
         output_ids = self._output_ids(sequences)
         if not self.generation_config.return_dict_in_generate:
             return output_ids
         outputs = {
             "sequences": output_ids,
-            "scores": self._per_token(sequences, "scores") if self.keep_scores else None,
-            "logits": self._per_token(sequences, "raw_logits") if self.keep_logits else None,
+            "scores": self._per_token(sequences, "scores") if self.stops.keep_scores else None,
+            "logits": self._per_token(sequences, "raw_logits") if self.stops.keep_logits else None,
             # With several sequences the cache holds unused slots and only the rows still running at the end.
-            "cache": self.forward.cache if slot_valid is None else None,
+            "cache": self.forward.cache if slots.valid is None else None,
         }
         if self.forward.is_encoder_decoder:
             steps = max(len(sequence.accepted) for sequence in sequences)
@@ -828,7 +753,7 @@ def compiled_buckets(cost: StepCostModel, longest: int, tuning: AutoTuning = AUT
     return tuple(sorted(buckets))
 
 
-def step_fingerprint(plans: list[StepPlan]) -> int:
+def step_fingerprint(plans: list[SequenceStep]) -> int:
     """
     A digest of a step's decisions: which sequences take part, how long each is, and every token each feeds (its
     pending tokens, window and candidates, in layout order). 0 when there is no step.

@@ -1,61 +1,91 @@
 """
-One sequence's lookahead, shared by both decoding loops: what it is built from, where its candidates come from, what
-it offers a step and what it learns from one. `generate`'s loop keeps one per row of the batch, continuous batching
-one per request.
+One sequence's lookahead, shared by both decoding loops: what it is built from, where its candidates come from, how
+it plans its part of a step, accepts a verdict and learns from it. `generate`'s loop keeps one per row of the batch,
+continuous batching one per request; each loop is then what only it does (a padded batch and its cache, or the
+engine's pages).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from .auto_tuning import AUTO_TUNING, AutoTuning
+from .cost_model import StepPricing, padded_table
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool
-from .step_policy import AdaptiveStepPolicy, PolicyEstimates, StaticStepPolicy, StepChoice, StepOffer, StepPolicy
+from .step_policy import (
+    AdaptiveStepPolicy,
+    PolicyEstimates,
+    StaticStepPolicy,
+    StepChoice,
+    StepOffer,
+    StepPolicy,
+    choose_window,
+)
 from .token_tree import TokenTree
-from .verification import GreedyVerifier, Verdict
+from .verification import GreedyVerifier, PositionNoise, SamplingVerifier, Verdict
 
 if TYPE_CHECKING:
+    from transformers import LogitsProcessorList, PreTrainedModel
+
     from .configuration_lookahead import LookaheadConfig
-    from .cost_model import StepPricing
-    from .step_layout import RowStep
+    from .cost_model import StepCostModel
+    from .lookahead_state import LookaheadState
+    from .rank_sync import RankSync
+    from .step_layout import RowStep, StepLayout
     from .suffix_memory import SuffixMemory
+
+
+@dataclass
+class SequenceStep:
+    """
+    One sequence's part of a step, in either loop (`SequenceLookahead.plan`).
+
+    Args:
+        sequence (`SequenceLookahead`): the sequence.
+        choice (`StepChoice`): what its policy chose from what was offered (the policy learns from all of it).
+        row (`RowStep`): its tokens, positions and visibility in the step, and where its outputs are.
+        past (`int`, *optional*, defaults to 0): the tokens of the sequence in the cache before the step, where the
+            loop needs them (continuous batching's pages).
+    """
+
+    sequence: SequenceLookahead
+    choice: StepChoice
+    row: RowStep
+    past: int = 0
 
 
 class SequenceLookahead:
     """
-    One sequence's lookahead, complete when built (`LookaheadFactory.build`): its n-gram pool, Jacobi window, step
-    policy, context index and verifier, the tokens its next step feeds first, and what each step accepted.
+    One sequence's lookahead, complete when built: its n-gram pool, Jacobi window, step policy, context index and
+    verifier (all from `factory`), the tokens its next step feeds first, and what each step accepted. Each step, the
+    loop asks it to `plan` its part, `accept` the verdict and `learn` from the step.
 
     Args:
-        tokens (`list[int]`): the text so far without padding, on the host; the loop appends to this list.
+        tokens (`list[int]`): the text so far without padding (its prompt and first token), on the host; `append`
+            grows this list.
         limit (`int`): the length `length` may not exceed.
-        pool (`NGramPool`): its candidate n-grams.
-        window (`LookaheadWindow`): its Jacobi window.
-        policy (`StepPolicy`): what goes into each of its steps.
-        context (`ContextIndex`, *optional*): where its text repeats itself (for `"auto"` with the prompt pool).
-        verifier (`GreedyVerifier`): how its candidates are checked (greedy or sampling).
+        factory (`LookaheadFactory`): the loop's settings, sources and pricing.
+        verifier (`GreedyVerifier`): how its candidates are checked (`LookaheadFactory.verifiers`), which already
+            chose its first token.
     """
 
     def __init__(
         self,
         tokens: list[int],
         limit: int,
-        pool: NGramPool,
-        window: LookaheadWindow,
-        policy: StepPolicy,
-        context: ContextIndex | None,
+        factory: LookaheadFactory,
         verifier: GreedyVerifier,
     ):
         self.tokens = tokens
         self.limit = limit
-        self.pool = pool
-        self.window = window
-        self.policy = policy
-        self.context = context
+        self.factory = factory
+        self.pool, self.window, self.policy, self.context = factory.parts(tokens)
         self.verifier = verifier
         # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
         self.pending = tokens[-1:]
@@ -77,13 +107,75 @@ class SequenceLookahead:
         """
         return len(self.tokens) - 1 + self.position_offset
 
-    def advance(self, kept: int, config: LookaheadConfig, refeed: bool = False, undone: bool = False) -> None:
+    def append(self, token: int) -> None:
+        """Appends one accepted token to the text."""
+        self.tokens.append(token)
+
+    def plan(
+        self, offer: StepOffer, layout: StepLayout, budget: int | None = None, room: int | None = None
+    ) -> SequenceStep:
+        """
+        The sequence's part of the next step: what its policy chooses of `offer`, within `budget` tokens (the length
+        the batch settled on; 1 verifies nothing), cut to `room` tokens where given (the window first to go, then the
+        least likely candidates). A cut choice is no longer the one its prediction was made for: it does not calibrate.
+        """
+        choice = StepChoice.empty(offer) if budget == 1 else self.policy.plan(offer, budget)
+        use_window, tree = choice.use_window, choice.tree
+        if room is not None:
+            if use_window and offer.pending + len(self.window) + len(tree) > room:
+                use_window = False
+            if offer.pending + len(tree) > room:
+                tree = tree.subtree(list(range(max(0, room - offer.pending))))
+        if use_window != choice.use_window or tree is not choice.tree:
+            choice = replace(choice, use_window=use_window, tree=tree, predicted=0.0)
+        row = layout.row(self.pending, self.position, self.window.flat() if use_window else None, tree)
+        return SequenceStep(self, choice, row)
+
+    def accept(self, verdict: Verdict, stop: Callable[[int, torch.Tensor, torch.Tensor], bool]) -> int:
+        """
+        Appends the verdict's tokens one at a time, as plain decoding would, until `stop(token, logits, scores)`
+        (asked after each) says the sequence ends, or it reaches its limit; returns how many it kept.
+        """
+        kept = 0
+        for token, raw, processed in zip(verdict.tokens, verdict.logits, verdict.scores):
+            if self.length >= self.limit:
+                break
+            kept += 1
+            self.append(token)
+            if stop(token, raw, processed):
+                break
+        return kept
+
+    def learn(self, step: SequenceStep, verdict: Verdict, kept: int, choices: list[int], undone: bool = False) -> None:
+        """
+        Moves past a step that kept `kept` of its verified tokens (`accept`): what its policy learns, its window's
+        next Jacobi iteration, its pool's new n-grams and what its next step feeds first.
+
+        Args:
+            step (`SequenceStep`): its part of the step.
+            verdict (`Verdict`): what verification accepted.
+            kept (`int`): the tokens it kept (fewer than accepted where it stopped inside the chunk).
+            choices (`list[int]`): the model's choices at its rows (`RowStep.logits_rows` order).
+            undone (`bool`, *optional*): whether the step was undone (`CacheCommitter.undo`), so that the next one
+                feeds its pending tokens and the kept ones again.
+        """
+        if self.factory.observer is not None:
+            self.factory.observer(step.choice, step.row, verdict)
+        self.accepted.append(kept)
+        self.policy.observe(step.choice, verdict, self.pool, self.tokens[-kept - 1])
+        if step.row.window_used:
+            for ngram in self.window.update(step.row.window_top(choices)):
+                self.pool.add(ngram[0], ngram[1:], from_window=True)
+        self.advance(kept, undone)
+
+    def advance(self, kept: int, undone: bool = False) -> None:
         """
         Moves past `kept` tokens just appended to the text: what the next step feeds first (the last token, all `kept`
-        again where `refeed`, or this step's pending tokens and the `kept` ones where the step was `undone`), and the
-        n-grams they completed for the pool.
+        again with "refeed" commits, or this step's pending tokens and the `kept` ones where the step was `undone`),
+        and the n-grams they completed for the pool.
         """
-        fed_again = len(self.pending) + kept if undone else (kept if refeed else 1)
+        config = self.factory.config
+        fed_again = len(self.pending) + kept if undone else (kept if self.factory.refeed else 1)
         self.pending = self.tokens[-fed_again:]
         if config.pool_from_prompt:
             self.pool.add_sequence(self.tokens, first_key=len(self.tokens) - kept - config.levels)
@@ -156,38 +248,57 @@ def candidate_sources(
 
 class LookaheadFactory:
     """
-    Builds every sequence's lookahead for one decoding loop (a `generate` call, or a continuous-batching engine), the
-    same way in both.
+    What every sequence of one decoding loop (a `generate` call, or a continuous-batching engine) is built and
+    priced with, the same way in both: the window size, the pricing of `"auto"`, the candidate sources (the suffix
+    memory among them), what earlier calls learnt, and the rules a sequence learns by.
 
     Args:
+        model (`PreTrainedModel`): the model (its vocabulary names its suffix memory).
         config (`LookaheadConfig`): the step shape.
-        window_size (`int`): W, the window's columns (chosen from the cost table for `"auto"`).
+        state (`LookaheadState`): what earlier calls learnt, the suffix memory and the step observer.
         do_sample (`bool`): whether the loop samples (greedy and sampled decoding carry their own estimates).
-        recall (`Callable`): what earlier calls left for a policy of a shape (`estimates_key`), or `None`.
-        memory (`SuffixMemory`, *optional*): earlier calls' text, whose matches the policy prices.
-        pricing (`StepPricing`, *optional*): what steps cost, which every sequence's policy asks (for `"auto"`); it
-            starts from what earlier calls learnt.
-        tuning (`AutoTuning`): the constants of `"auto"`'s sources and policies.
+        cost (`StepCostModel`, *optional*): the model's step-cost table, for `"auto"`.
+        batch_size (`int`, *optional*, defaults to 1): the rows the first steps are priced for (`price_batch`);
+            `None` where `price_batch` prices them before the first step.
+        window_cost (`StepCostModel`, *optional*): the table the window size is chosen from, if not the batch's.
+        timed (`bool`, *optional*, defaults to `False`): whether the pricing learns from the steps' durations.
+        sync (`RankSync`, *optional*): tensor-parallel ranks agree on what earlier calls learnt.
+        refeed (`bool`, *optional*, defaults to `False`): whether a step's kept tokens are fed again (`"refeed"`).
     """
 
     def __init__(
         self,
+        model: PreTrainedModel | None,
         config: LookaheadConfig,
-        window_size: int,
+        state: LookaheadState,
         do_sample: bool,
-        recall: Callable[[tuple], PolicyEstimates | None],
-        memory: SuffixMemory | None = None,
-        pricing: StepPricing | None = None,
-        tuning: AutoTuning = AUTO_TUNING,
+        cost: StepCostModel | None = None,
+        *,
+        batch_size: int | None = 1,
+        window_cost: StepCostModel | None = None,
+        timed: bool = False,
+        sync: RankSync | None = None,
+        refeed: bool = False,
     ):
         self.config = config
-        self.tuning = tuning
-        self.window_size = window_size
+        self.state = state
+        self.tuning = state.tuning
         self.do_sample = do_sample
-        self.recall = recall
-        self.memory = memory
-        self.pricing = pricing
-        self.sources = candidate_sources(config, memory, tuning)
+        self.cost = cost
+        self.sync = sync
+        self.refeed = refeed
+        self.observer = state.step_observer
+        self.window_size, self.pricing = config.window, None
+        if config.adaptive:
+            table = cost.for_batch(batch_size or 1)
+            self.window_size = choose_window(window_cost or table, config.levels, self.tuning)
+            # One pricing for the loop: every row's step costs what the batch's step costs.
+            self.pricing = StepPricing(table, timed, self.tuning)
+        self._batch_size = batch_size
+        # Earlier calls' text, whose continuations the steps also verify; the loop's is added as sequences finish.
+        self.memory = state.memory(model, config.memory_namespace, config.memory_size) if config.memory else None
+        self.sources = candidate_sources(config, self.memory, self.tuning)
+        self._carried: dict[tuple, PolicyEstimates | None] = {}
         self._pricing_started = False
 
     def parts(self, tokens: list[int]) -> tuple[NGramPool, LookaheadWindow, StepPolicy, ContextIndex | None]:
@@ -221,9 +332,37 @@ class LookaheadFactory:
             policy = StaticStepPolicy(self.window_size * config.levels)
         return pool, window, policy, context
 
-    def build(self, tokens: list[int], limit: int, verifier: GreedyVerifier) -> SequenceLookahead:
-        """A sequence's lookahead (see `parts`), checking its candidates with `verifier`."""
-        return SequenceLookahead(tokens, limit, *self.parts(tokens), verifier)
+    def verifiers(self, processors: list[LogitsProcessorList]) -> list[GreedyVerifier]:
+        """
+        The verifiers of new sequences, one per entry of `processors` (each sequence's own): greedy, or sampling with
+        one seed per sequence from torch's generator (`torch.manual_seed` fixes the text).
+        """
+        if not self.do_sample:
+            return [GreedyVerifier(own) for own in processors]
+        seeds = torch.randint(0, 2**62, (len(processors),), dtype=torch.int64, device="cpu").tolist()
+        return [SamplingVerifier(own, PositionNoise(seed)) for own, seed in zip(processors, seeds)]
+
+    def recall(self, key: tuple) -> PolicyEstimates | None:
+        """What the last call of this kind left for a policy of shape `key`; rank 0's under tensor parallelism."""
+        if self.sync is None:
+            return self.state.recall(key)
+        if key not in self._carried:
+            self._carried[key] = self.sync.agree(self.state.recall(key))
+        return self._carried[key]
+
+    def price_batch(self, batch_size: int, padding: int | None = None, longest: int | None = None) -> None:
+        """
+        Prices the next steps for `batch_size` sequences, a step of T tokens each costing what `batch_size x T`
+        tokens cost (a smaller batch makes each extra token cheaper again); where the loop pads a step's query
+        tokens to a multiple of `padding`, as the padded step (`padded_table`, up to `longest` tokens each).
+        """
+        if self.pricing is None or batch_size == self._batch_size:
+            return
+        self._batch_size = batch_size
+        table = self.cost.for_batch(batch_size)
+        if padding:
+            table = padded_table(table, batch_size, padding, longest)
+        self.pricing.use_table(table)
 
     def estimates_key(self, policy: AdaptiveStepPolicy) -> tuple:
         """Greedy and sampled decoding accept at different rates: each kind carries its own estimates."""
@@ -237,6 +376,18 @@ class LookaheadFactory:
             excess_scale=excess_scale,
             underpricing=underpricing,
         )
+
+    def finish(self, sequences: list[SequenceLookahead]) -> None:
+        """
+        Keeps what finished sequences leave for later calls: what their policies learnt (for `"auto"`) and their
+        text (for the suffix memory, when it is on).
+        """
+        if self.config.adaptive:
+            self.state.remember(
+                self.estimates_key(sequences[0].policy), self.estimates([sequence.policy for sequence in sequences])
+            )
+        if self.memory is not None:
+            self.state.add_to_memory(self.config.memory_namespace, [sequence.tokens for sequence in sequences])
 
 
 def offer_candidates(
@@ -262,43 +413,3 @@ def offer_candidates(
     if chain is not None:
         tree, window_allowed = tree.subtree(tree.chain()[: max(0, chain - len(sequence.pending))]), False
     return sequence.policy.offer(tree, window_allowed, len(sequence.pending))
-
-
-def learn_from_step(
-    sequence: SequenceLookahead,
-    choice: StepChoice,
-    row: RowStep,
-    verdict: Verdict,
-    kept: int,
-    choices: list[int],
-    config: LookaheadConfig,
-    refeed: bool = False,
-    observer: Callable[[StepChoice, RowStep, Verdict], None] | None = None,
-    undone: bool = False,
-) -> None:
-    """
-    Moves a sequence past a step that kept `kept` of its verified tokens (already appended to its text): what its
-    next step feeds first, what its policy learns, its window's next Jacobi iteration and its pool's new n-grams.
-
-    Args:
-        sequence (`SequenceLookahead`): the sequence.
-        choice (`StepChoice`): what its policy chose for the step.
-        row (`RowStep`): its part of the step.
-        verdict (`Verdict`): what verification accepted.
-        kept (`int`): the tokens the sequence kept (fewer than accepted where it stopped inside the chunk).
-        choices (`list[int]`): the model's choices at its rows (`RowStep.logits_rows` order).
-        config (`LookaheadConfig`): the step shape.
-        refeed (`bool`): whether the next step feeds the kept tokens again (`"refeed"` cache commits) rather than
-            the last one only.
-        observer (`Callable`, *optional*): told of the step (`LookaheadState.step_observer`).
-        undone (`bool`, *optional*): whether the step was undone (`CacheCommitter.undo`), so that the next one feeds
-            its pending tokens and the kept ones again.
-    """
-    if observer is not None:
-        observer(choice, row, verdict)
-    sequence.accepted.append(kept)
-    sequence.policy.observe(choice, verdict, sequence.pool, sequence.tokens[-kept - 1])
-    if row.window_used:
-        for ngram in sequence.window.update(row.window_top(choices)):
-            sequence.pool.add(ngram[0], ngram[1:], from_window=True)
-    sequence.advance(kept, config, refeed, undone)

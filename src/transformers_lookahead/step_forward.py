@@ -10,8 +10,8 @@ import torch
 from transformers import Cache, EncoderDecoderCache
 
 from .cache_commit import keep_cache_rows
-from .compatibility import attention_implementation_for
-from .grouped_attention import GROUPED_ATTENTION, register_grouped_attention, takes_grouped_kv
+from .compatibility import grouped_sdpa_for
+from .grouped_attention import register_grouped_attention, takes_grouped_kv
 from .step_layout import StepInputs
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class StepForward:
                 kwargs["position_ids"] = step.position_ids
         if self.grouped_config is None:
             return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
-        with attention_implementation_for(self.grouped_config, GROUPED_ATTENTION):
+        with grouped_sdpa_for(self.grouped_config):
             return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
 
 

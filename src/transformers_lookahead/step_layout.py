@@ -162,50 +162,28 @@ def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, A
     return groups
 
 
-class StepLayout:
+class RowLayout:
     """
-    Lays out one step as a single sequence (see `docs/source/en/lookahead_decoding.md` for a drawing):
+    Lays out one sequence's part of a step as a single sequence (see `docs/source/en/lookahead_decoding.md` for a
+    drawing), as both loops do:
 
     - `k` pending tokens (accepted, not yet in the cache) at positions `p - k + 1 .. p`, causal among themselves;
     - window level `l`, column `i` at position `p + 1 + l + i`, seeing level 0 up to its column and its own
       column's levels 1..l, i.e. a contiguous history of positions `p + 1 .. p + 1 + l + i`;
     - tree nodes at `p + depth`, each seeing its ancestors.
 
-    Every row sees the whole cache and all pending tokens; the window and the tree never see each other. Sliding
-    layers additionally hide keys `sliding_window` or more positions back.
+    Every row sees all pending tokens; the window and the tree never see each other.
 
     Args:
         window (`int`): W, columns of the lookahead window.
         levels (`int`): N - 1, levels of the window.
-        groups (`dict[str, AttentionGroup]` or `AttentionGroup`): one group per attention layer type (the masks are
-            then passed as a dict keyed by layer type), or a single group when all layers share one mask.
-        dtype (`torch.dtype`): the dtype of the additive masks (the model's).
-        device (`torch.device`): where the step tensors live.
-        mask_format (`str`): `"additive"` (float masks, 0 or the dtype's minimum) or `"block"` (flex attention
-            `BlockMask`s).
+        device (`torch.device`): where the row tensors live.
     """
 
-    def __init__(
-        self,
-        window: int,
-        levels: int,
-        groups: dict[str, AttentionGroup] | AttentionGroup,
-        dtype: torch.dtype,
-        device: torch.device,
-        mask_format: str = "additive",
-    ):
-        if mask_format not in MASK_FORMATS.values():
-            raise ValueError(
-                f"`mask_format` must be one of {sorted(set(MASK_FORMATS.values()))}, got {mask_format!r}."
-            )
+    def __init__(self, window: int, levels: int, device: torch.device):
         self.window = window
         self.levels = levels
-        self.groups = groups
         self.device = device
-        self.dtype = dtype
-        self.mask_format = mask_format
-        self.min_value = torch.finfo(dtype).min
-
         # The window's structure is the same every step: built once, on the host, where `row` lays steps out.
         level = np.arange(levels).repeat(window)
         column = np.tile(np.arange(window), levels)
@@ -216,17 +194,6 @@ class StepLayout:
         )
         self.window_block = sees_first_level | sees_own_column
         self.top_rows = list(range((levels - 1) * window, levels * window))
-        self._last_row = torch.tensor([0], device=device)
-
-    @classmethod
-    def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
-        """
-        The layout of W = `window` columns and N - 1 = `levels` for `model`'s attention layers (its backend among
-        `MASK_FORMATS`): one mask per layer type of `cache` (created), in the format the backend reads.
-        """
-        groups = attention_groups(cache, layer_types(model))
-        mask_format = MASK_FORMATS[attention_implementation(model)]
-        return cls(window, levels, groups, model.dtype, model.device, mask_format)
 
     def row(
         self,
@@ -285,6 +252,54 @@ class StepLayout:
             k,
             tree_start,
         )
+
+
+class StepLayout(RowLayout):
+    """
+    Lays out a step of `generate`'s loop: every sequence's part (`RowLayout.row`) padded to one length, with the
+    masks over the shared cache and the step. Every row sees the whole cache (but its batch row's padding and unused
+    slots); sliding layers additionally hide keys `sliding_window` or more positions back.
+
+    Args:
+        window (`int`): W, columns of the lookahead window.
+        levels (`int`): N - 1, levels of the window.
+        groups (`dict[str, AttentionGroup]` or `AttentionGroup`): one group per attention layer type (the masks are
+            then passed as a dict keyed by layer type), or a single group when all layers share one mask.
+        dtype (`torch.dtype`): the dtype of the additive masks (the model's).
+        device (`torch.device`): where the step tensors live.
+        mask_format (`str`): `"additive"` (float masks, 0 or the dtype's minimum) or `"block"` (flex attention
+            `BlockMask`s).
+    """
+
+    def __init__(
+        self,
+        window: int,
+        levels: int,
+        groups: dict[str, AttentionGroup] | AttentionGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        mask_format: str = "additive",
+    ):
+        if mask_format not in MASK_FORMATS.values():
+            raise ValueError(
+                f"`mask_format` must be one of {sorted(set(MASK_FORMATS.values()))}, got {mask_format!r}."
+            )
+        super().__init__(window, levels, device)
+        self.groups = groups
+        self.dtype = dtype
+        self.mask_format = mask_format
+        self.min_value = torch.finfo(dtype).min
+        self._last_row = torch.tensor([0], device=device)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
+        """
+        The layout of W = `window` columns and N - 1 = `levels` for `model`'s attention layers (its backend among
+        `MASK_FORMATS`): one mask per layer type of `cache` (created), in the format the backend reads.
+        """
+        groups = attention_groups(cache, layer_types(model))
+        mask_format = MASK_FORMATS[attention_implementation(model)]
+        return cls(window, levels, groups, model.dtype, model.device, mask_format)
 
     def build(
         self,

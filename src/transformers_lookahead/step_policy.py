@@ -163,6 +163,11 @@ class StepChoice:
     predicted: float = 0.0
     probe: bool = False
 
+    @classmethod
+    def empty(cls, offer: StepOffer) -> StepChoice:
+        """The step that verifies nothing of `offer`: the pending tokens alone, without the window."""
+        return cls(offer, False, offer.tree.subtree([]))
+
 
 class StepPolicy(Protocol):
     """
@@ -343,7 +348,7 @@ class AdaptiveStepPolicy:
         if budget is None and self.pricing.wants_reference and self._steps_planned == _TIMED_ONE_TOKEN_STEP:
             # Every step's duration is judged against a one-token step's, and a table that prices long steps at about
             # one token would never choose one: the call's second step is one, once (its first may still warm up).
-            return StepChoice(offer, False, offer.tree.subtree([]))
+            return StepChoice.empty(offer)
         options = offer.options
         if budget is None:
             best = max(options, key=lambda option: option.expected / self.pricing(option.length))
