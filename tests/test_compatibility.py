@@ -37,17 +37,22 @@ from transformers.generation.continuous_batching.scheduler import Scheduler
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from transformers_lookahead.compatibility import (
-    PER_REQUEST_WARPERS,
+    GROUPED_SDPA,
     ROLLBACK_LAYERS,
+    attention_implementation,
+    grouped_sdpa_for,
+    pad_token_id,
+)
+from transformers_lookahead.configuration_lookahead import LookaheadConfig
+from transformers_lookahead.continuous_batching import LookaheadBatching, LookaheadBatchProcessor
+from transformers_lookahead.engine_hooks import (
+    PER_REQUEST_WARPERS,
     BatchProcessorHooks,
     ModelRunnerHooks,
     become,
     move_accepted_entries,
-    pad_token_id,
     release_pages_past,
 )
-from transformers_lookahead.configuration_lookahead import LookaheadConfig
-from transformers_lookahead.continuous_batching import LookaheadBatching, LookaheadBatchProcessor
 from transformers_lookahead.lookahead_state import LookaheadState
 from utils.tiny_models import tiny_model
 
@@ -552,3 +557,15 @@ class BecomeTest(unittest.TestCase):
         self.assertIsInstance(stock, Hooks)
         with self.assertRaisesRegex(TypeError, "extends ContinuousBatchProcessor"):
             become(object.__new__(ContinuousBatchingManager), Hooks)
+
+
+class GroupedSdpaNameTest(unittest.TestCase):
+    def test_a_pass_names_the_grouped_sdpa_and_sdpa_is_back_after_it(self):
+        model = tiny_model("llama")
+        with grouped_sdpa_for(model.config):
+            self.assertEqual(model.config._attn_implementation, GROUPED_SDPA)
+            self.assertEqual(attention_implementation(model), "sdpa", "read as the sdpa it computes")
+            # Another thread's pass on the same model began and ends inside this one: sdpa is back, never the name.
+            with grouped_sdpa_for(model.config):
+                pass
+        self.assertEqual(model.config._attn_implementation, "sdpa")

@@ -22,7 +22,6 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
-from transformers_lookahead.compatibility import set_attention_implementation_unchecked
 from transformers_lookahead.continuous_batching import (
     LookaheadContinuousBatchingManager,
     LookaheadGenerationOutput,
@@ -30,6 +29,7 @@ from transformers_lookahead.continuous_batching import (
 )
 from transformers_lookahead.cost_model import StepCostModel, padded_step_cost, padded_table
 from utils.distribution_check import homogeneity_p_value
+from utils.private_apis import set_attention_implementation_unchecked
 
 from .test_verification import P_VALUE
 from .utils import SMALL_VOCABULARY, flat_state, random_prompt, small_vocabulary_model, tiny_model

@@ -14,8 +14,8 @@ import transformers
 from parameterized import parameterized
 
 from transformers_lookahead import enable_lookahead
-from transformers_lookahead.compatibility import model_from_config, set_attention_implementation_unchecked
 from utils.faithfulness import greedy_margins, off_greedy_positions
+from utils.private_apis import model_from_config, set_attention_implementation_unchecked
 
 from .utils import TINY_CONFIGS, flat_state, random_prompt, tiny_model
 

@@ -91,7 +91,7 @@ MEMORY = {"num_prompts": 8, "repeats": 2, "methods": QUICK_METHODS, "sweep_promp
 
 def _compile_everywhere():
     """The compile config plain `generate` honours on any device (it compiles only on accelerators by default)."""
-    from transformers_lookahead.compatibility import compile_config
+    from utils.private_apis import compile_config
 
     return compile_config(mode="default")
 

@@ -35,29 +35,28 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 
-from .compatibility import (
+from .compatibility import attention_implementation
+from .configuration_lookahead import LookaheadConfig
+from .cost_measurement import model_key
+from .cost_model import EngineStepCost, StepCostModel, padded_step_cost, padded_table
+from .engine_hooks import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
     ManagerHooks,
     ModelRunnerHooks,
-    attention_implementation,
     become,
     kept_continuous_batching_manager,
     mark_kept_blocks,
     move_accepted_entries,
-    processors_for_row,
     release_pages_past,
 )
-from .configuration_lookahead import LookaheadConfig
-from .cost_measurement import model_key
-from .cost_model import EngineStepCost, StepCostModel, padded_step_cost, padded_table
 from .lookahead_state import LookaheadState
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep, offer_candidates
 from .step_forward import logits_at, max_positions
 from .step_layout import RowLayout
 from .step_policy import batch_step_length
 from .token_tree import TokenTree
-from .verification import GreedyVerifier, read_choices
+from .verification import GreedyVerifier, processors_for_row, read_choices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

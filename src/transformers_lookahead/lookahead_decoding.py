@@ -13,7 +13,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cache_commit import CacheCommitter
-from .compatibility import can_auto_compile, pad_token_id, prefill, processors_for_row
+from .compatibility import can_auto_compile, pad_token_id, prefill
 from .configuration_lookahead import (
     LookaheadConfig,
     validate_lookahead_setup,
@@ -26,7 +26,7 @@ from .step_check import LONGEST_CHAIN_CHECKED
 from .step_forward import StepForward, max_positions, select_rows
 from .step_layout import ChainLayout, StepLayout, generate_position_shift
 from .step_policy import batch_step_length
-from .verification import Verdict, read_choices
+from .verification import Verdict, processors_for_row, read_choices
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel

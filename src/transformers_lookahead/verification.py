@@ -1,13 +1,22 @@
-"""Verification: which candidate tokens of a step the model confirms."""
+"""Verification: which candidate tokens of a step the model confirms, with each row's own logits processors."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import LogitsProcessorList
+from transformers import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
+)
 
+from .compatibility import prefix_function, with_prefix_function
 from .token_tree import TokenTree
 
 # The bit pattern of +inf in each half-precision dtype: positive finite values are the patterns below it.
@@ -218,3 +227,41 @@ class SamplingVerifier(GreedyVerifier):
 
     def choose(self, scores: torch.Tensor, position: int) -> int:
         return self.noise.sample(scores, position)
+
+
+def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: int) -> LogitsProcessorList:
+    """
+    The processors `generate` built for the whole batch, as they apply to one row called alone (a step verifies
+    every row on its own). Those holding per-row data or state get a copy for the row: the prefix function gets the
+    row's index, a per-row `prompt_ignore_length` and the encoder processors' inputs are cut to the row's (rows of
+    one input consecutive, as with `num_return_sequences`), and the SynthID watermark starts its own state.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): the processors of the call.
+        row (`int`): the row.
+        rows (`int`): the rows of the batch (inputs x `num_return_sequences`).
+    """
+    adapted = LogitsProcessorList()
+    for processor in logits_processor:
+        if isinstance(processor, PrefixConstrainedLogitsProcessor):
+            allowed = prefix_function(processor)
+            processor = with_prefix_function(processor, lambda _, ids, allowed=allowed: allowed(row, ids))
+        elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+            processor.prompt_ignore_length, torch.Tensor
+        ):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+            source = row // max(rows // processor.encoder_input_ids.shape[0], 1)
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[source : source + 1]
+        elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+            source = row // max(rows // processor.batch_size, 1)
+            processor = copy.copy(processor)
+            processor.generated_ngrams = processor.generated_ngrams[source : source + 1]
+            processor.batch_size = 1
+        elif isinstance(processor, SynthIDTextWatermarkLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.state = None
+        adapted.append(processor)
+    return adapted
