@@ -52,7 +52,7 @@ style: install
 # About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, table and plot in bench_out/; in
 # bfloat16 where this machine computes it natively (else float32, and it says so), with float32 greedy beside it.
 bench: install
-	$(PY) utils/benchmark.py $(BENCH_ARGS)
+	$(PY) -m utils.bench benchmark $(BENCH_ARGS)
 
 # Both models in both dtypes: 16 + 16 prompts, every method, 3 repeats, window sweep; one folder per run under
 # bench_out/ (about an hour per run on 2 cores for SmolLM2, three for Qwen2.5-Coder-0.5B).
@@ -60,31 +60,31 @@ BENCH_MODELS ?= smollm2 qwen-coder
 BENCH_DTYPES ?= bfloat16 float32
 bench-full: install
 	@for model in $(BENCH_MODELS); do for dtype in $(BENCH_DTYPES); do \
-		$(PY) utils/benchmark.py --full --model $$model --dtype $$dtype --output-dir bench_out/$$model-$$dtype \
+		$(PY) -m utils.bench benchmark --full --model $$model --dtype $$dtype --output-dir bench_out/$$model-$$dtype \
 			$(BENCH_ARGS) || exit 1; \
 	done; done
 
 # The suffix memory across calls: four workloads that repeat themselves, greedy / prompt lookup / "auto" without and
 # with memory (about 30 minutes on 2 cores with BENCH_ARGS="--num-prompts 6").
 bench-memory: install
-	$(PY) utils/benchmark.py --memory $(BENCH_ARGS)
+	$(PY) -m utils.bench benchmark --memory $(BENCH_ARGS)
 
 cost-curve: install
-	$(PY) utils/benchmark.py --cost-curve $(BENCH_ARGS)
+	$(PY) -m utils.bench benchmark --cost-curve $(BENCH_ARGS)
 
 # Accelerator checks on tiny random models (no network); DEVICE=cpu runs them on the CPU.
 gpu-check: install
-	$(PY) utils/gpu_check.py $(GPU_CHECK_ARGS)
+	$(PY) -m utils.bench gpu-check $(GPU_CHECK_ARGS)
 
 # SmolLM2-135M-Instruct behind `transformers serve` on 127.0.0.1:8000, decoding with lookahead ("auto").
 serve: install
-	$(PY) utils/serving.py $(SERVE_ARGS)
+	$(PY) -m utils.bench serve $(SERVE_ARGS)
 
 # The strategy as a Hub repository stock Transformers runs (`custom_generate=<repo>`): README + self-contained
 # custom_generate/, written to HUB_DIR (upload it as it is).
 HUB_DIR ?= hub_repo
 hub-repo: install
-	$(PY) utils/build_hub_repo.py $(HUB_DIR) $(HUB_ARGS)
+	$(PY) -m utils.bench hub-repo $(HUB_DIR) $(HUB_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache hub_repo

@@ -60,6 +60,7 @@ from utils.memory_benchmark import (  # noqa: E402
     run_memory_benchmark,
     summarize_memory,
 )
+from utils.methods import METHODS as REGISTERED_METHODS  # noqa: E402
 from utils.plotting import grouped_bars  # noqa: E402
 from utils.priced_steps import format_priced_table, run_priced, summarize_priced  # noqa: E402
 from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
@@ -73,46 +74,17 @@ from utils.step_ceiling import (  # noqa: E402
 from utils.timing import ForwardTimer, Run, native_half_precision  # noqa: E402
 from utils.workload import SPEECH, Workload, environment, write_report  # noqa: E402
 
-# name -> generate() keyword arguments
-METHODS = {
-    "greedy": {},
-    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-    "lookahead_15_5_15": {"lookahead_window": 15, "lookahead_ngram": 5, "lookahead_guess": 15},
-    "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
-    "lookahead_auto": {"lookahead_window": "auto"},
-}
+# Plain greedy in float32 beside a half-precision run: what the user would otherwise run.
+REFERENCE = "greedy_fp32"
+METHODS = {**REGISTERED_METHODS, REFERENCE: {}}
 # The methods of the README's table; the quick run (the default) keeps the three a first look needs.
-FULL_METHODS = list(METHODS)
+FULL_METHODS = ["greedy", "prompt_lookup", "lookahead_15_5_15", "lookahead_7_5_7", "lookahead_auto"]
 QUICK_METHODS = ["greedy", "prompt_lookup", "lookahead_auto"]
 QUICK = {"num_prompts": 5, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
 FULL = {"num_prompts": 16, "repeats": 3, "methods": FULL_METHODS, "sweep_prompts": 4}
 MEMORY = {"num_prompts": 8, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
 
 
-def _compile_everywhere():
-    """The compile config plain `generate` honours on any device (it compiles only on accelerators by default)."""
-    from utils.private_apis import compile_config
-
-    return compile_config(mode="default")
-
-
-# A static cache sized once for every prompt, so that compiled forwards keep one cache shape across calls.
-_STATIC = {"cache_implementation": "static", "max_cache_len": 1024}
-METHODS.update(
-    {
-        "greedy_static": _STATIC,
-        "greedy_static_compiled": {**_STATIC, "compile_config": _compile_everywhere()},
-        "lookahead_auto_static": {**_STATIC, "lookahead_window": "auto"},
-        "lookahead_auto_static_compiled": {
-            **_STATIC,
-            "lookahead_window": "auto",
-            "compile_config": _compile_everywhere(),
-        },
-    }
-)
-# Plain greedy in float32 beside a half-precision run: what the user would otherwise run.
-REFERENCE = "greedy_fp32"
-METHODS[REFERENCE] = {}
 SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
 
 

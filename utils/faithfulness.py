@@ -17,14 +17,13 @@ import statistics
 import torch
 from transformers import LogitsProcessor
 
+from utils.methods import methods
 from utils.tiny_models import left_padded
 
 # What is compared with plain greedy; "batched_greedy" is the baseline, not a speed-up method.
 DEPARTURE_METHODS = {
     "batched_greedy": None,
-    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-    "lookahead_auto": {"lookahead_window": "auto", "lookahead_memory": False},
-    "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
+    **methods("prompt_lookup", "lookahead_auto", "lookahead_7_5_7", without_memory=True),
 }
 
 

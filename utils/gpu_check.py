@@ -52,6 +52,7 @@ import transformers  # noqa: E402
 from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
 from transformers_lookahead.cost_measurement import measure_step_costs  # noqa: E402
 from utils.faithfulness import greedy_margins, off_greedy_positions  # noqa: E402
+from utils.methods import METHODS  # noqa: E402
 from utils.private_apis import compile_config  # noqa: E402
 from utils.timing import ForwardTimer, provenance  # noqa: E402
 from utils.tiny_models import random_prompt, tiny_model  # noqa: E402
@@ -257,7 +258,7 @@ def check_step_profile(report: Report, device: torch.device) -> None:
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
     model = enable_lookahead(model, state=LookaheadState(cost_dir=None))
     prompt = torch.randint(2, config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0)).to(device)
-    methods = {"greedy": {}, "lookahead 7/5/7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7}}
+    methods = {"greedy": METHODS["greedy"], "lookahead 7/5/7": METHODS["lookahead_7_5_7"]}
     table = model.lookahead_state.cost_model(model)
     greedy_ms = None
     timer = ForwardTimer(model)
@@ -316,11 +317,11 @@ ONE_B_SHAPE = {
 # Eager and compiled, plain greedy, prompt lookup and "auto": each with the cache its compiled form needs.
 STATIC_CACHE = {"cache_implementation": "static", "max_cache_len": 512}
 COMPARED_METHODS = {
-    "greedy": {},
+    "greedy": METHODS["greedy"],
     "greedy, static cache, compiled": {**STATIC_CACHE, "compiled": True},
-    "prompt lookup": {"prompt_lookup_num_tokens": 10},
-    'lookahead "auto"': {"lookahead_window": "auto"},
-    'lookahead "auto", static cache, compiled': {**STATIC_CACHE, "lookahead_window": "auto", "compiled": True},
+    "prompt lookup": METHODS["prompt_lookup"],
+    'lookahead "auto"': METHODS["lookahead_auto"],
+    'lookahead "auto", static cache, compiled': {**STATIC_CACHE, **METHODS["lookahead_auto"], "compiled": True},
 }
 
 

@@ -24,14 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
+from utils.methods import methods  # noqa: E402
 from utils.timing import ForwardTimer, native_half_precision, provenance  # noqa: E402
 
-METHODS = {
-    "greedy": {},
-    # Without the suffix memory: a repeat would otherwise recall the whole text from the previous one.
-    "lookahead_auto": {"lookahead_window": "auto", "lookahead_memory": False},
-    "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
-}
+METHODS = methods("greedy", "lookahead_auto", "lookahead_7_5_7", without_memory=True)
 
 
 def step_host_times(

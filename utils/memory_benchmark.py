@@ -26,14 +26,14 @@ import torch
 from transformers_lookahead import LookaheadState
 from transformers_lookahead.suffix_memory import SuffixMemory, vocabulary_key
 from utils.assets import chat_input_ids, humaneval_problems, mtbench_questions, tuning_prompts
+from utils.methods import METHODS, methods
 from utils.plotting import grouped_bars
 from utils.timing import Run
 
 MEMORY_METHODS = {
-    "greedy": {},
-    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-    "auto_no_memory": {"lookahead_window": "auto", "lookahead_memory": False},
-    "auto_memory": {"lookahead_window": "auto", "lookahead_memory": True},
+    **methods("greedy", "prompt_lookup"),
+    "auto_no_memory": methods("lookahead_auto", without_memory=True)["lookahead_auto"],
+    "auto_memory": {**METHODS["lookahead_auto"], "lookahead_memory": True},
 }
 WORKLOADS = ("humaneval_sequence", "mt_bench_two_turn", "edit", "sampled_repeat")
 SAMPLED_TEMPERATURE = 0.7

@@ -25,10 +25,11 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E402
+from utils.methods import methods  # noqa: E402
 from utils.timing import native_half_precision, provenance  # noqa: E402
 
 # The methods counted: plain greedy, and lade's 7/5/7 (every step the same full shape, whatever the text).
-METHODS = {"greedy": {}, "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7}}
+METHODS = methods("greedy", "lookahead_7_5_7")
 
 
 class OperatorCounter(TorchDispatchMode):

@@ -22,17 +22,14 @@ import torch
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.cost_model import StepCostModel
+from utils.methods import methods
 from utils.timing import ForwardTimer
 
 FLAT = "flat"
 # Methods whose steps do not depend on a cost table: run once, priced by every table.
-FIXED_METHODS = {
-    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-    "lookahead_7_5_7": {"lookahead_window": 7, "lookahead_ngram": 5, "lookahead_guess": 7},
-    "lookahead_15_5_15": {"lookahead_window": 15, "lookahead_ngram": 5, "lookahead_guess": 15},
-}
+FIXED_METHODS = methods("prompt_lookup", "lookahead_7_5_7", "lookahead_15_5_15")
 # `"auto"`, run once per table (no suffix memory: each prompt is priced on its own).
-AUTO = {"lookahead_window": "auto", "lookahead_memory": False}
+AUTO = methods("lookahead_auto", without_memory=True)["lookahead_auto"]
 
 
 def load_table(spec: str) -> tuple[str, StepCostModel]:

@@ -18,14 +18,14 @@ import tempfile
 from pathlib import Path
 
 from utils.assets import chat_input_ids, humaneval_problems
+from utils.methods import methods
 from utils.tiny_models import left_padded
 
 # What is compared; "batched_greedy" decodes the problem in a left-padded batch of two (with the next problem).
 QUALITY_METHODS = {
-    "greedy": {},
+    **methods("greedy"),
     "batched_greedy": None,
-    "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-    "lookahead_auto": {"lookahead_window": "auto", "lookahead_memory": False},
+    **methods("prompt_lookup", "lookahead_auto", without_memory=True),
 }
 TUNING_PROBLEMS = 82
 _FENCED = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)

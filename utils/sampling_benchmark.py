@@ -13,9 +13,10 @@ import torch
 
 from utils.distribution_check import homogeneity_p_value, token_counts
 from utils.memory_benchmark import own_memory
+from utils.methods import METHODS
 from utils.timing import ForwardTimer, Run
 
-SAMPLING_METHODS = {"sample": {}, "lookahead_sample": {"lookahead_window": "auto"}}
+SAMPLING_METHODS = {"sample": METHODS["greedy"], "lookahead_sample": METHODS["lookahead_auto"]}
 
 
 def run_sampling_benchmark(args, model, prompts) -> dict:

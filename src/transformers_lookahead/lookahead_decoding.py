@@ -571,13 +571,13 @@ class LookaheadDecoder:
         for index in range(rows):
             row = input_ids[index : index + 1]
             tokens = row[0].tolist() if slots.valid is None else row[0, slots.valid[index]].tolist()
+            padding = row.shape[1] - len(tokens)
             text = SequenceText(row, tokens, limit)
             appended = text.length < limit
             if appended:
                 text.append(first_tokens[index])
             # Built from the prompt and its first token, as every later step sees the text.
             sequence = SequenceState(index, text, limit, self.factory, verifiers[index])
-            padding = row.shape[1] - len(tokens)
             sequence.position_offset = padding if self.position_shift is None else self.position_shift
             if appended:
                 self.stops.record(sequence, first[index : index + 1], first_scores[index : index + 1])
