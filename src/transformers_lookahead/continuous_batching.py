@@ -51,12 +51,12 @@ from .engine_hooks import (
     release_pages_past,
 )
 from .lookahead_state import LookaheadState
-from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep, offer_candidates
-from .step_forward import logits_at, max_positions
+from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep
+from .step_forward import logits_at
 from .step_layout import RowLayout
 from .step_policy import batch_step_length
 from .token_tree import TokenTree
-from .verification import GreedyVerifier, processors_for_row, read_choices
+from .verification import processors_for_row, read_choices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -120,12 +120,9 @@ class LookaheadBatching:
         max_batch_tokens: int,
         query_padding: int | None = None,
     ):
-        self.config = config
         self.logits_processor = logits_processor
-        self.state = state
         self.max_batch_tokens = max_batch_tokens
         self.query_padding = query_padding
-        self.max_positions = max_positions(model)
         self.engine_cost = None
         # Keyed as the model runs in the engine (paged attention): steps of another dtype or thread count, or of
         # the model's own backend, would price these wrongly.
@@ -183,9 +180,9 @@ class LookaheadBatching:
         longest = max(1, int(self.max_batch_tokens * share) // len(decoding))
         # A step of T tokens per request costs what `requests x T` tokens cost: the policies plan with that.
         self.factory.price_batch(len(decoding), self.query_padding, self.max_batch_tokens // len(decoding))
-        offers = [offer_candidates(lookahead, self.factory.sources, self.max_positions) for lookahead in lookaheads]
+        offers = [lookahead.offer() for lookahead in lookaheads]
         budget = None
-        if self.config.adaptive:
+        if self.factory.config.adaptive:
             lengths = sorted(
                 {option.length for offer in offers for option in offer.options if option.length <= longest}
             )
@@ -258,7 +255,7 @@ class LookaheadBatching:
         """Learns the engine's cost from the step `lay_out` prepared, which took `seconds` in all."""
         if self.engine_cost is not None and self.step_shape is not None:
             self.engine_cost.observe(*self.step_shape, seconds)
-            self.state.remember_engine_steps(self.engine_key, self.engine_cost.history())
+            self.factory.state.remember_engine_steps(self.engine_key, self.engine_cost.history())
         self.step_shape = None
 
     # Settling, after the forward pass.
@@ -290,7 +287,8 @@ class LookaheadBatching:
             remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
             processors = request_processors(self.logits_processor, state.logit_processor_kwargs)
             verifier = self.factory.verifiers([processors_for_row(processors, 0, 1)])[0]
-            verdict = verifier.verify(logits, TokenTree(), 1, self._input_ids(verifier, tokens), remaining, choices)
+            input_ids = torch.tensor([tokens], device="cpu") if verifier.reads_text else None
+            verdict = verifier.verify(logits, TokenTree(), 1, input_ids, remaining, choices)
             tokens.append(verdict.tokens[0])
             stop(verdict.tokens[0], verdict.logits[0], verdict.scores[0])
             lookahead = self.requests[request_id] = SequenceLookahead(
@@ -303,10 +301,7 @@ class LookaheadBatching:
             )
         else:
             verified = step is not None and step.row.length > 1
-            tree, tree_row = (step.choice.tree, step.row.tree_row) if verified else (TokenTree(), 1)
-            input_ids = self._input_ids(lookahead.verifier, lookahead.tokens)
-            room = lookahead.limit - lookahead.length
-            verdict = lookahead.verifier.verify(logits, tree, tree_row, input_ids, room, choices)
+            verdict = lookahead.verify(step if verified else None, logits, choices)
             kept = lookahead.accept(verdict, stop)
             if step is not None:
                 lookahead.learn(step, verdict, kept, choices)
@@ -320,11 +315,6 @@ class LookaheadBatching:
         if finished:
             self.finish(request_id)
         return lookahead, step, finished
-
-    @staticmethod
-    def _input_ids(verifier: GreedyVerifier, tokens: list[int]) -> torch.LongTensor | None:
-        """The text as the verifier's processors read it, where it has any."""
-        return torch.tensor([tokens], device="cpu") if verifier.logits_processor else None
 
     def commit(self, cache: Any) -> None:
         """Moves the step's accepted entries into place, then gives back the pages past what each request kept."""

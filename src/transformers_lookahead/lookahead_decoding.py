@@ -14,16 +14,13 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cache_commit import CacheCommitter
 from .compatibility import can_auto_compile, pad_token_id, prefill
-from .configuration_lookahead import (
-    LookaheadConfig,
-    validate_lookahead_setup,
-)
+from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, validate_lookahead_setup
 from .cost_model import COST_GRID, StepCostModel
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
-from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep, offer_candidates
+from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep
 from .step_check import LONGEST_CHAIN_CHECKED
-from .step_forward import StepForward, max_positions, select_rows
+from .step_forward import StepForward, select_rows
 from .step_layout import ChainLayout, StepLayout, generate_position_shift
 from .step_policy import batch_step_length
 from .verification import Verdict, processors_for_row, read_choices
@@ -132,16 +129,9 @@ def generate(
     """
     config = lookahead_config
     if config is None:
-        arguments = {
-            "lookahead_window": lookahead_window,
-            "lookahead_ngram": lookahead_ngram,
-            "lookahead_guess": lookahead_guess,
-            "lookahead_pool_from_prompt": lookahead_pool_from_prompt,
-            "lookahead_cache_commit": lookahead_cache_commit,
-            "lookahead_memory": lookahead_memory,
-            "lookahead_memory_size": lookahead_memory_size,
-            "lookahead_memory_namespace": lookahead_memory_namespace,
-        }
+        settings = (lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt)
+        settings += (lookahead_cache_commit, lookahead_memory, lookahead_memory_size, lookahead_memory_namespace)
+        arguments = dict(zip(LOOKAHEAD_FIELDS, settings, strict=True))
         config = LookaheadConfig.from_sources(arguments, generation_config, default_window=DEFAULT_WINDOW)
         if config is None:
             raise ValueError(
@@ -159,32 +149,15 @@ def generate(
         )
     if lookahead_state is None:
         lookahead_state = getattr(model, "lookahead_state", None) or LookaheadState()
-    cache = model_kwargs.get("cache")
-    if model.config.is_encoder_decoder:
-        forward = StepForward(model, cache, model_kwargs["encoder_outputs"], model_kwargs.get("attention_mask"))
-    else:
-        forward = StepForward(model, cache)
-    committer = CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__)
-    chain = False
-    if not model.config.is_encoder_decoder:
-        # After the cache's own checks, before anything runs the model for this call (the prefill, or measuring the
-        # cost table for "auto").
-        attention_mask = model_kwargs.get("attention_mask")
-        padded = attention_mask is not None and not bool(attention_mask.all())
-        chain = lookahead_state.step_check.refuse_if_failing(model, padded, chain_steps=True)
-        # The check classifies the layers of the model's default cache; a call's own cache decides too.
-        chain = chain or committer.chain_only
     decoder = LookaheadDecoder(
         model,
         config,
         logits_processor,
         stopping_criteria,
         generation_config,
-        committer,
-        forward,
-        input_ids.shape[0],
+        model_kwargs,
         lookahead_state,
-        chain,
+        len(input_ids),
     )
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
@@ -249,6 +222,10 @@ class SequenceState(SequenceLookahead):
     @property
     def length(self) -> int:
         return self.text.length
+
+    @property
+    def input_ids(self) -> torch.LongTensor:
+        return self.text.input_ids
 
     def append(self, token: int) -> None:
         self.text.append(token)
@@ -412,12 +389,9 @@ class LookaheadDecoder:
         logits_processor (`LogitsProcessorList`): applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
-        committer (`CacheCommitter`): keeps the accepted tokens in the (self-attention) cache.
-        forward (`StepForward`): runs a step through the model.
+        model_kwargs (`dict`): what `generate` prepared: the cache, the padding mask, an encoder's outputs.
+        state (`LookaheadState`): what earlier calls on the model learnt (the step check's verdicts among it).
         batch_size (`int`, *optional*, defaults to 1): rows of the batch (after `num_return_sequences`).
-        state (`LookaheadState`, *optional*): what earlier calls on the model learnt; a new one if unset.
-        chain (`bool`, *optional*, defaults to `False`): decode in chain steps (`ChainLayout`): for a model that
-            computes consecutive tokens as plain decoding does but cannot take a full step (`StepCheck`).
     """
 
     def __init__(
@@ -427,20 +401,26 @@ class LookaheadDecoder:
         logits_processor: LogitsProcessorList,
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
-        committer: CacheCommitter,
-        forward: StepForward,
+        model_kwargs: dict[str, Any],
+        state: LookaheadState,
         batch_size: int = 1,
-        state: LookaheadState | None = None,
-        chain: bool = False,
     ):
         self.model = model
-        self.chain = chain
         self.config = config
         self.logits_processor = logits_processor
         self.generation_config = generation_config
-        self.committer = committer
-        self.forward = forward
-        self.state = state if state is not None else LookaheadState()
+        self.state = state
+        cache, encoder = model_kwargs.get("cache"), model_kwargs.get("encoder_outputs")
+        encoder_mask = model_kwargs.get("attention_mask") if encoder is not None else None
+        self.forward = forward = StepForward(model, cache, encoder, encoder_mask)
+        self.committer = committer = CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__)
+        # Checked before anything runs the model for this call (the prefill, or measuring "auto"'s cost table). Chain
+        # steps (`ChainLayout`): the model, or the layers of the call's own cache, take no full step (`StepCheck`).
+        padding = model_kwargs.get("attention_mask")
+        padded = padding is not None and not bool(padding.all())
+        self.chain = not forward.is_encoder_decoder and (
+            state.step_check.refuse_if_failing(model, padded, chain_steps=True) or committer.chain_only
+        )
         self.stops = StopTracker(stopping_criteria, generation_config)
         # Tensor-parallel ranks must take identical steps (see `RankSync`); `None` on one device.
         self.sync = RankSync.for_model(model)
@@ -450,7 +430,7 @@ class LookaheadDecoder:
             first_input = None
             if forward.is_encoder_decoder:
                 first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
-            cost = self.state.cost_model(model, encoder_outputs=first_input, chain=chain)
+            cost = self.state.cost_model(model, encoder_outputs=first_input, chain=self.chain)
             if self.sync is not None:
                 cost = self.sync.agree(cost)
         # Recurrent states cannot keep part of a step: its entries are kept whole ("gather") or the step is undone.
@@ -468,8 +448,6 @@ class LookaheadDecoder:
             sync=self.sync,
             refeed=self.strategy == "refeed",
         )
-        # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
-        self.max_positions = max_positions(model)
         self.position_shift = generate_position_shift(model)
 
     def run(
@@ -511,7 +489,9 @@ class LookaheadDecoder:
             choices = read_choices(logits)
             row_choices = [step.choices_of(b, choices) for b in range(len(plans))]
             # 4. Verify each sequence's part, and append what it accepted until it stops.
-            verdicts = [self._verify(plan, step.logits_of(b, logits), row_choices[b]) for b, plan in enumerate(plans)]
+            verdicts = [
+                plan.sequence.verify(plan, step.logits_of(b, logits), row_choices[b]) for b, plan in enumerate(plans)
+            ]
             if self.chain and len(plans) > 1:
                 # Chain steps leave positions to the model, which may number them by cache slot: every row keeps as
                 # many tokens (any prefix of a verdict is plain decoding's), so no row has an unused slot.
@@ -592,7 +572,7 @@ class LookaheadDecoder:
         the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
         """
         chain = LONGEST_CHAIN_CHECKED if self.chain else None
-        offers = [offer_candidates(sequence, self.factory.sources, self.max_positions, chain) for sequence in active]
+        offers = [sequence.offer(chain) for sequence in active]
         # A static cache has room for so many more entries: the step must fit.
         room = self.committer.room()
         budget = None
@@ -607,19 +587,6 @@ class LookaheadDecoder:
         elif adapts and len(active) > 1:
             budget = batch_step_length(offers, self.factory.pricing)
         return [sequence.plan(offer, layout, budget, room) for sequence, offer in zip(active, offers)]
-
-    @staticmethod
-    def _verify(plan: SequenceStep, logits: torch.Tensor, choices: list[int]) -> Verdict:
-        """Verifies one sequence's part of the step."""
-        sequence = plan.sequence
-        return sequence.verifier.verify(
-            logits,
-            plan.choice.tree,
-            plan.row.tree_row,
-            sequence.text.input_ids,
-            sequence.limit - sequence.length,
-            choices,
-        )
 
     def _accept(self, sequence: SequenceState, verdict: Verdict, streamer: BaseStreamer | None) -> int:
         """Appends what one sequence accepted until it stops (`StopTracker`), and streams it; returns how many."""

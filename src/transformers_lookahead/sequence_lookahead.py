@@ -18,6 +18,7 @@ from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cost_model import StepPricing, padded_table
 from .lookahead_window import LookaheadWindow
 from .ngram_pool import ContextIndex, NGramPool
+from .step_forward import max_positions
 from .step_policy import (
     AdaptiveStepPolicy,
     PolicyEstimates,
@@ -107,9 +108,18 @@ class SequenceLookahead:
         """
         return len(self.tokens) - 1 + self.position_offset
 
+    @property
+    def input_ids(self) -> torch.LongTensor | None:
+        """The text as the verifier reads it, shape `(1, length)`; `None` where it reads none."""
+        return torch.tensor([self.tokens], device="cpu") if self.verifier.reads_text else None
+
     def append(self, token: int) -> None:
         """Appends one accepted token to the text."""
         self.tokens.append(token)
+
+    def offer(self, chain: int | None = None) -> StepOffer:
+        """Its candidates for the next step from the loop's sources, priced (`offer_candidates`)."""
+        return offer_candidates(self, self.factory.sources, self.factory.max_positions, chain)
 
     def plan(
         self, offer: StepOffer, layout: StepLayout, budget: int | None = None, room: int | None = None
@@ -131,6 +141,14 @@ class SequenceLookahead:
         row = layout.row(self.pending, self.position, self.window.flat() if use_window else None, tree)
         return SequenceStep(self, choice, row)
 
+    def verify(self, step: SequenceStep | None, logits: torch.Tensor, choices: list[int]) -> Verdict:
+        """
+        What the model accepted of the sequence's part of a step (`None`: a step that fed its pending token alone),
+        from its `logits` and the model's `choices` at its rows (`RowStep.logits_rows` order).
+        """
+        tree, tree_row = (step.choice.tree, step.row.tree_row) if step is not None else (TokenTree(), 1)
+        return self.verifier.verify(logits, tree, tree_row, self.input_ids, self.limit - self.length, choices)
+
     def accept(self, verdict: Verdict, stop: Callable[[int, torch.Tensor, torch.Tensor], bool]) -> int:
         """
         Appends the verdict's tokens one at a time, as plain decoding would, until `stop(token, logits, scores)`
@@ -148,16 +166,10 @@ class SequenceLookahead:
 
     def learn(self, step: SequenceStep, verdict: Verdict, kept: int, choices: list[int], undone: bool = False) -> None:
         """
-        Moves past a step that kept `kept` of its verified tokens (`accept`): what its policy learns, its window's
-        next Jacobi iteration, its pool's new n-grams and what its next step feeds first.
-
-        Args:
-            step (`SequenceStep`): its part of the step.
-            verdict (`Verdict`): what verification accepted.
-            kept (`int`): the tokens it kept (fewer than accepted where it stopped inside the chunk).
-            choices (`list[int]`): the model's choices at its rows (`RowStep.logits_rows` order).
-            undone (`bool`, *optional*): whether the step was undone (`CacheCommitter.undo`), so that the next one
-                feeds its pending tokens and the kept ones again.
+        Moves past its part of a step (`step`), whose `verdict` it kept `kept` tokens of (`accept`; fewer where it
+        stopped inside the chunk), given the model's `choices` at its rows: what its policy learns, its window's next
+        Jacobi iteration, its pool's new n-grams and what its next step feeds first (`advance`; `undone`: the step
+        was undone, `CacheCommitter.undo`).
         """
         if self.factory.observer is not None:
             self.factory.observer(step.choice, step.row, verdict)
@@ -174,11 +186,10 @@ class SequenceLookahead:
         again with "refeed" commits, or this step's pending tokens and the `kept` ones where the step was `undone`),
         and the n-grams they completed for the pool.
         """
-        config = self.factory.config
         fed_again = len(self.pending) + kept if undone else (kept if self.factory.refeed else 1)
         self.pending = self.tokens[-fed_again:]
-        if config.pool_from_prompt:
-            self.pool.add_sequence(self.tokens, first_key=len(self.tokens) - kept - config.levels)
+        if self.factory.config.pool_from_prompt:
+            self.pool.add_sequence(self.tokens, first_key=len(self.tokens) - kept - self.factory.config.levels)
 
 
 class CandidateSource(ABC):
@@ -298,6 +309,8 @@ class LookaheadFactory:
         # Earlier calls' text, whose continuations the steps also verify; the loop's is added as sequences finish.
         self.memory = state.memory(model, config.memory_namespace, config.memory_size) if config.memory else None
         self.sources = candidate_sources(config, self.memory, self.tuning)
+        # Models with learned absolute positions cannot embed positions past this; guesses stop short of it.
+        self.max_positions = max_positions(model) if model is not None else None
         self._carried: dict[tuple, PolicyEstimates | None] = {}
         self._pricing_started = False
 

@@ -138,7 +138,7 @@ class GreedyVerifier:
             `Verdict`.
         """
         # Greedy without processors chooses the raw argmax: every row's, read in the step's one host transfer.
-        fast = self.argmax_of_raw_logits and not self.logits_processor
+        fast = not self.reads_text
         if fast and choices is None:
             choices = read_choices(logits)
         verdict = Verdict([], [], [], [])
@@ -159,6 +159,11 @@ class GreedyVerifier:
                 return verdict
             verdict.nodes.append(child)
             row, node = tree_row + child, child
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether verifying reads the sequence's text (`input_ids`): processors read it, sampling its length."""
+        return bool(self.logits_processor) or not self.argmax_of_raw_logits
 
     def choose(self, scores: torch.Tensor, position: int) -> int:
         """
