@@ -42,17 +42,17 @@ test-oldest: install
 	fi
 
 quality: install
-	$(VENV)/bin/ruff check src tests utils
-	$(VENV)/bin/ruff format --check src tests utils
+	$(VENV)/bin/ruff check src tests utils experiments
+	$(VENV)/bin/ruff format --check src tests utils experiments
 
 style: install
-	$(VENV)/bin/ruff check --fix src tests utils
-	$(VENV)/bin/ruff format src tests utils
+	$(VENV)/bin/ruff check --fix src tests utils experiments
+	$(VENV)/bin/ruff format src tests utils experiments
 
 # About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, table and plot in bench_out/; in
 # bfloat16 where this machine computes it natively (else float32, and it says so), with float32 greedy beside it.
 bench: install
-	$(PY) -m utils.bench benchmark $(BENCH_ARGS)
+	$(PY) -m utils.bench generate $(BENCH_ARGS)
 
 # Both models in both dtypes: 16 + 16 prompts, every method, 3 repeats, window sweep; one folder per run under
 # bench_out/ (about an hour per run on 2 cores for SmolLM2, three for Qwen2.5-Coder-0.5B).
@@ -60,17 +60,17 @@ BENCH_MODELS ?= smollm2 qwen-coder
 BENCH_DTYPES ?= bfloat16 float32
 bench-full: install
 	@for model in $(BENCH_MODELS); do for dtype in $(BENCH_DTYPES); do \
-		$(PY) -m utils.bench benchmark --full --model $$model --dtype $$dtype --output-dir bench_out/$$model-$$dtype \
+		$(PY) -m utils.bench generate --full --model $$model --dtype $$dtype --output-dir bench_out/$$model-$$dtype \
 			$(BENCH_ARGS) || exit 1; \
 	done; done
 
 # The suffix memory across calls: four workloads that repeat themselves, greedy / prompt lookup / "auto" without and
 # with memory (about 30 minutes on 2 cores with BENCH_ARGS="--num-prompts 6").
 bench-memory: install
-	$(PY) -m utils.bench benchmark --memory $(BENCH_ARGS)
+	$(PY) -m utils.bench memory $(BENCH_ARGS)
 
 cost-curve: install
-	$(PY) -m utils.bench benchmark --cost-curve $(BENCH_ARGS)
+	$(PY) -m utils.bench cost-curve $(BENCH_ARGS)
 
 # Accelerator checks on tiny random models (no network); DEVICE=cpu runs them on the CPU.
 gpu-check: install

@@ -12,6 +12,7 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 
+from experiments.host_time import step_host_times, summarize_host_time
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.token_tree import TokenTree
 from utils import benchmark, cb_benchmark
@@ -51,8 +52,14 @@ from utils.faithfulness import (
     run_departures,
     summarize_departures,
 )
-from utils.host_time import step_host_times, summarize_host_time
 from utils.memory_benchmark import edit_prompts, format_memory_table, own_memory, summarize_memory
+from utils.priced_steps import (
+    CEILING_SETTINGS,
+    deepest_match,
+    format_ceiling_table,
+    run_ceiling,
+    summarize_ceiling,
+)
 from utils.quality import (
     QUALITY_METHODS,
     completion_program,
@@ -63,13 +70,6 @@ from utils.quality import (
 )
 from utils.quality import main as quality_main
 from utils.sampling_benchmark import format_sampling_table, summarize_sampling
-from utils.step_ceiling import (
-    CEILING_SETTINGS,
-    deepest_match,
-    format_ceiling_table,
-    run_ceiling,
-    summarize_ceiling,
-)
 from utils.timing import ForwardTimer
 from utils.tiny_models import left_padded
 from utils.workload import SPEECH, Workload
@@ -624,10 +624,10 @@ class StepCeilingTest(unittest.TestCase):
 
     def test_ceiling_settings_are_refused_before_loading(self):
         for argv, message in (
-            (["--ceiling", "--ceiling-settings", "steep"], "invalid choice: 'steep'"),
-            (["--ceiling-settings", "flat"], "--ceiling-settings chooses the settings of --ceiling"),
-            (["--departures", "--cache-implementation", "paged"], "invalid choice: 'paged'"),
-            (["--cache-implementation", "static"], "--cache-implementation sets the cache of --departures"),
+            (["ceiling", "--ceiling-settings", "steep"], "invalid choice: 'steep'"),
+            (["generate", "--ceiling-settings", "flat"], "unrecognized arguments: --ceiling-settings flat"),
+            (["departures", "--cache-implementation", "paged"], "invalid choice: 'paged'"),
+            (["generate", "--cache-implementation", "static"], "unrecognized arguments: --cache-implementation"),
         ):
             _assert_refused_before_loading(self, argv, message)
 
@@ -701,7 +701,7 @@ class QualityHarnessTest(unittest.TestCase):
             first.write_text(json.dumps(run("HumanEval/0", True)))
             second.write_text(json.dumps(run("HumanEval/1", False)))
             with mock.patch("sys.stdout", new_callable=io.StringIO):
-                quality_main(["merge", str(Path(directory, "all.json")), str(first), str(second)])
+                quality_main([str(Path(directory, "all.json")), str(first), str(second)])
             merged = json.loads(Path(directory, "all.json").read_text())
             table = Path(directory, "all.txt").read_text()
         self.assertEqual([entry["task_id"] for entry in merged["problems"]], ["HumanEval/0", "HumanEval/1"])
@@ -721,9 +721,7 @@ class QualityHarnessTest(unittest.TestCase):
     def test_first_problem_outside_the_tuning_problems_is_refused_before_loading(self):
         for value in ("-1", "82"):
             _assert_refused_before_loading(
-                self,
-                ["--quality", "--first-problem", value],
-                "--first-problem must be one of the tuning problems, 0 to 81",
+                self, ["quality", "--first-problem", value], f"--first-problem: invalid choice: {value} (choose from"
             )
 
 
@@ -844,12 +842,9 @@ class ContinuousBatchingBenchmarkTest(unittest.TestCase):
 
     def test_arrival_rate_is_refused_before_loading(self):
         for argv, message in (
-            (
-                ["--continuous-batching", "--arrival-rate", "1", "0"],
-                "--arrival-rate takes requests per second above 0",
-            ),
-            (["--arrival-rate", "1"], "--arrival-rate sets the load of --continuous-batching"),
-            (["--padded-engines"], "--padded-engines adds engines to --continuous-batching"),
+            (["continuous-batching", "--arrival-rate", "1", "0"], "--arrival-rate: takes a value above 0, got 0"),
+            (["generate", "--arrival-rate", "1"], "unrecognized arguments: --arrival-rate 1"),
+            (["memory", "--padded-engines"], "unrecognized arguments: --padded-engines"),
         ):
             _assert_refused_before_loading(self, argv, message)
 
@@ -961,7 +956,7 @@ class HostTimeTest(unittest.TestCase):
 
 
 class PricedStepsTest(unittest.TestCase):
-    """`--price-with`: steps decided and counted here, priced by another device's cost table."""
+    """`priced`: steps decided and counted here, priced by another device's cost table."""
 
     def test_tables_by_name_file_and_gpu_check_report(self):
         from utils.priced_steps import load_table
@@ -979,7 +974,7 @@ class PricedStepsTest(unittest.TestCase):
             empty.write_text(json.dumps({"checks": []}))
             with self.assertRaisesRegex(ValueError, "holds no `relative_cost`"):
                 load_table(str(empty))
-        with self.assertRaisesRegex(ValueError, "--price-with takes `flat` or a JSON file"):
+        with self.assertRaisesRegex(ValueError, "priced takes `flat` or a JSON file"):
             load_table("steep")
 
     def test_priced_speedup_counts_each_pass_at_the_table_cost(self):
@@ -1012,10 +1007,10 @@ class PricedStepsTest(unittest.TestCase):
 
     def test_price_with_is_refused_before_loading(self):
         for argv, message in (
-            (["--price-with", "flat", "--dtype", "bfloat16"], "--price-with decodes in float32"),
-            (["--pass-ms", "5"], "--pass-ms takes the milliseconds"),
-            (["--price-with", "flat", "--pass-ms", "0"], "--pass-ms takes the milliseconds"),
-            (["--context-tokens", "0"], "--context-tokens takes a number of tokens above 0"),
+            (["priced", "flat", "--dtype", "bfloat16"], "priced decodes in float32"),
+            (["priced", "--pass-ms", "5"], "the following arguments are required: TABLE"),
+            (["priced", "flat", "--pass-ms", "0"], "--pass-ms: takes a value above 0, got 0"),
+            (["generate", "--context-tokens", "0"], "--context-tokens: takes a value above 0, got 0"),
         ):
             _assert_refused_before_loading(self, argv, message)
 
@@ -1040,19 +1035,20 @@ class PricedStepsTest(unittest.TestCase):
 
 
 class BenchmarkChoiceTest(unittest.TestCase):
-    def test_each_benchmark_is_found_by_its_flag(self):
-        parser = benchmark.build_parser()
-        flags = {flag for action in parser._actions for flag in action.option_strings}
-        for name, run in benchmark.BENCHMARKS.items():
+    def test_each_benchmark_is_a_subcommand_taking_only_its_own_arguments(self):
+        output = io.StringIO()
+        with mock.patch("sys.stdout", output), self.assertRaises(SystemExit):
+            benchmark.main(["-h"])
+        for name, entry in benchmark.BENCHMARKS.items():
             with self.subTest(benchmark=name):
-                self.assertIn("--" + name.replace("_", "-"), flags)
-                self.assertEqual(run.__module__, "utils.benchmark")
+                self.assertIn(name, output.getvalue())
+                self.assertEqual(entry.run.__module__, "utils.benchmark")
 
-    def test_two_benchmarks_at_once_are_refused_before_loading(self):
+    def test_a_second_benchmark_or_another_model_is_refused_before_loading(self):
         for argv, message in (
-            (["--sampling", "--batched"], "--sampling, --batched: each picks its own benchmark"),
-            (["--whisper", "--departures"], "--whisper, --departures: each picks its own benchmark"),
-            (["--whisper", "--model", "smollm2"], "--whisper runs the greedy side-by-side benchmark on its own model"),
+            (["sampling", "batched"], "unrecognized arguments: batched"),
+            (["whisper", "--model", "smollm2"], "whisper runs on its own model; drop --model"),
+            (["sample"], "invalid choice: 'sample'"),
         ):
             _assert_refused_before_loading(self, argv, message)
 
@@ -1062,8 +1058,8 @@ class MainWritesResultFilesTest(unittest.TestCase):
 
     @parameterized.expand(
         [
-            ("generate", [], "benchmark.json"),
-            ("price-with", ["--price-with", "flat", "--pass-ms", "5"], "priced.json"),
+            ("generate", ["generate"], "benchmark.json"),
+            ("priced", ["priced", "flat", "--pass-ms", "5"], "priced.json"),
         ]
     )
     def test_result_file_renders(self, _, argv, written):
@@ -1074,7 +1070,7 @@ class MainWritesResultFilesTest(unittest.TestCase):
         workload = FixedWorkload({None: model}, [("HumanEval/0", "humaneval", ids, ids.shape[1])])
         with tempfile.TemporaryDirectory() as folder:
             common = ["--dtype", "float32", "--num-prompts", "1", "--repeats", "1", "--max-new-tokens", "8"]
-            benchmark.main([*common, *argv, "--output-dir", folder], workload=workload)
+            benchmark.main([*argv, *common, "--output-dir", folder], workload=workload)
             result = json.loads(Path(folder, written).read_text())
         self.assertEqual(result["environment"]["cores"], os.cpu_count())
         self.assertIn("revision", result["environment"])

@@ -22,10 +22,10 @@ def _refused(test: unittest.TestCase, argv: list[str], message: str) -> None:
 
 
 def _fake_benchmark(argv: list[str]) -> None:
-    """Writes what `utils/benchmark.py argv` writes, with made-up figures."""
+    """Writes what `python -m utils.bench argv` writes, with made-up figures."""
     folder = Path(argv[argv.index("--output-dir") + 1])
     folder.mkdir(parents=True, exist_ok=True)
-    if "--departures" in argv:
+    if argv[0] == "departures":
         cache = argv[argv.index("--cache-implementation") + 1]
         departed = {"dynamic": 3, "static": 1}[cache]
         summary = [{"method": "batched_greedy", "departed": 2, "prompts": 8}]
@@ -73,7 +73,7 @@ class RealModelCheckTest(unittest.TestCase):
             ):
                 self.assertEqual(gpu_check.main([*argv, "--output", str(output)]), 0)
             calls = [call.args[0] for call in runs.call_args_list]
-            self.assertEqual(len(calls), 3)
+            self.assertEqual([call[0] for call in calls], ["generate", "departures", "departures"])
             for call in calls:
                 self.assertEqual(call[call.index("--dtype") + 1], "bfloat16")
                 self.assertEqual(call[call.index("--num-prompts") + 1], "3")

@@ -13,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from experiments.operator_count import compare
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.compatibility import GROUPED_SDPA, attention_implementation
 from transformers_lookahead.grouped_attention import (
@@ -20,7 +21,6 @@ from transformers_lookahead.grouped_attention import (
     register_grouped_attention,
     takes_grouped_kv,
 )
-from utils.operator_count import compare
 
 from .utils import random_prompt, tiny_model
 

@@ -28,7 +28,7 @@ from utils.assets import (
     tuning_prompts,
     whisper_tiny_en_path,
 )
-from utils.step_ceiling import BFLOAT16_CURVES
+from utils.priced_steps import BFLOAT16_CURVES
 
 NEW_TOKENS = 64
 PROMPTS_PER_DATASET = 10

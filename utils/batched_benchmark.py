@@ -1,5 +1,5 @@
 """
-`utils/benchmark.py --batched`: batched greedy against batched lookahead (`lookahead_window="auto"`) at each batch
+`python -m utils.bench batched`: batched greedy against batched lookahead (`lookahead_window="auto"`) at each batch
 size, on the same prompts cut into left-padded batches.
 """
 

@@ -1,7 +1,8 @@
 """
 The project's tools behind one command: `python -m utils.bench <name> [arguments]`. `python -m utils.bench -h` lists
-the names; `python -m utils.bench <name> -h` a tool's own arguments. The `make` targets (`bench`, `gpu-check`,
-`serve`, `hub-repo`, ...) call it. Every tool takes its methods from one registry (`utils/methods.py`).
+the names: every benchmark of `utils/benchmark.py` (`generate`, `priced`, `ceiling`, ...), each with its own
+arguments, and the other tools (`gpu-check`, `serve`, `hub-repo`, ...). `python -m utils.bench <name> -h` shows a
+name's arguments. The `make` targets call it; every tool takes its methods from one registry (`utils/methods.py`).
 """
 
 from __future__ import annotations
@@ -10,23 +11,15 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, what it does); each module's `main` parses the tool's own arguments.
+# name -> (module, what it does) of the tools besides the benchmarks (`utils.benchmark.BENCHMARKS`); each module's
+# `main` parses the tool's own arguments.
 TOOLS = {
-    "benchmark": (
-        "utils.benchmark",
-        "greedy, prompt lookup and lookahead side by side on the real models and prompts (and its --priced, "
-        "--ceiling, --memory, --sampling, --batched, --continuous-batching, --departures, --quality, --cost-curve, "
-        "--whisper runs)",
-    ),
     "gpu-check": ("utils.gpu_check", "the checks that need an accelerator, on random models built in the run"),
     "serve": ("utils.serving", "SmolLM2-135M-Instruct behind `transformers serve` on 127.0.0.1, with lookahead"),
     "serve-benchmark": ("utils.serve_benchmark", "`transformers serve` with and without lookahead, side by side"),
     "hub-repo": ("utils.build_hub_repo", "writes the strategy as a Hub repository stock Transformers runs"),
     "hub-benchmark": ("utils.hub_benchmark", "the Hub repository in a stock venv against plain greedy"),
-    "quality": ("utils.quality", "HumanEval pass@1 of each decoding method"),
-    "host-time": ("utils.host_time", "host time per decoding step as the text grows"),
-    "operators": ("utils.operator_count", "operators dispatched per pass: one-token greedy against lookahead"),
-    "cache-commit": ("utils.measure_cache_commit", "the time of a step's cache commit, per strategy"),
+    "quality-merge": ("utils.quality", "merges `quality` runs over different problems into one result"),
     "recurrent-state": ("utils.recurrent_state_cost", "what keeping a hybrid model's recurrent states costs"),
     "results": ("utils.render_results", "renders the results page and the README's summary from the result files"),
     "zoo": ("utils.render_zoo", "renders the model-zoo page: every architecture built tiny and decoded"),
@@ -34,14 +27,20 @@ TOOLS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from utils import benchmark
+
     parser = argparse.ArgumentParser(
         prog="python -m utils.bench", description="The project's tools; `<name> -h` shows a tool's own arguments."
     )
-    tools = parser.add_subparsers(dest="tool", required=True, metavar="name")
+    subcommands = parser.add_subparsers(dest="tool", required=True, metavar="name")
+    benchmark.add_benchmarks(subcommands)
     for name, (_, description) in TOOLS.items():
         # The tool parses its own arguments, `-h` included.
-        tools.add_parser(name, help=description, add_help=False)
+        subcommands.add_parser(name, help=description, add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.tool in benchmark.BENCHMARKS:
+        benchmark.main(argv if argv is not None else sys.argv[1:])
+        return 0
     tool = importlib.import_module(TOOLS[args.tool][0])
     sys.argv = [f"{parser.prog} {args.tool}", *rest]
     return tool.main() or 0

@@ -1,25 +1,28 @@
 """
-Side-by-side benchmark of greedy, prompt lookup and lookahead decoding on SmolLM2-135M-Instruct with MT-Bench and
-HumanEval prompts (or Whisper tiny.en transcribing MT-Bench questions read aloud, `--whisper`). Methods run
-interleaved per prompt, so machine noise hits them alike.
+The benchmarks of `python -m utils.bench`, each one subcommand over the same workload (the model and prompts its
+arguments name) and the same record (a JSON file with the environment, and a table). `generate`, the default of
+`make bench`, runs greedy, prompt lookup and lookahead decoding side by side on SmolLM2-135M-Instruct with MT-Bench
+and HumanEval prompts, interleaved per prompt, so machine noise hits them alike.
 
-    python utils/benchmark.py                 # quick: 5 + 5 prompts, greedy / prompt lookup / auto (~10 min, 2 cores)
-    python utils/benchmark.py --full          # 16 + 16 prompts, every method, 3 repeats
-    python utils/benchmark.py --model qwen-coder --dtype float32   # another model, another dtype
-    python utils/benchmark.py --whisper --num-prompts 8 --repeats 3  # needs espeak-ng
-    python utils/benchmark.py --cost-curve
-    python utils/benchmark.py --sampling --num-prompts 6 --repeats 2
-    python utils/benchmark.py --batched --num-prompts 4 --repeats 2
-    python utils/benchmark.py --memory        # suffix memory across calls: 4 workloads, 8 prompts each, 2 repeats
-    python utils/benchmark.py --departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
-    python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
-    python utils/benchmark.py --continuous-batching --num-prompts 8 --repeats 2   # 1 / 4 / 8 / 16 concurrent requests
-    python utils/benchmark.py --continuous-batching --arrival-rate 0.5 1 2         # open loop: Poisson arrivals
-    python utils/benchmark.py --continuous-batching --padded-engines --concurrency 1 4  # and padded engines (graphs)
+    python -m utils.bench generate            # quick: 5 + 5 prompts, greedy / prompt lookup / auto (~10 min, 2 cores)
+    python -m utils.bench generate --full     # 16 + 16 prompts, every method, 3 repeats
+    python -m utils.bench generate --model qwen-coder --dtype float32   # another model, another dtype
+    python -m utils.bench whisper --num-prompts 8 --repeats 3  # Whisper tiny.en; needs espeak-ng
+    python -m utils.bench cost-curve
+    python -m utils.bench sampling --num-prompts 6 --repeats 2
+    python -m utils.bench batched --num-prompts 4 --repeats 2
+    python -m utils.bench memory             # suffix memory across calls: 4 workloads, 8 prompts each, 2 repeats
+    python -m utils.bench departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
+    python -m utils.bench quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
+    python -m utils.bench priced flat gpu_check.json --pass-ms 5   # the steps priced by other devices' tables
+    python -m utils.bench ceiling            # what "auto" steps were offered, verified and accepted
+    python -m utils.bench continuous-batching --num-prompts 8 --repeats 2   # 1 / 4 / 8 / 16 concurrent requests
+    python -m utils.bench continuous-batching --arrival-rate 0.5 1 2         # open loop: Poisson arrivals
+    python -m utils.bench continuous-batching --padded-engines --concurrency 1 4  # and padded engines (graphs)
 
 `--dtype auto` (the default) runs bfloat16 where the device computes it natively (CUDA with bf16, a CPU with
-AVX512-BF16 or AMX) and float32 elsewhere, saying which; a half-precision run adds plain greedy in float32 as a
-reference row (`greedy_fp32`).
+AVX512-BF16 or AMX) and float32 elsewhere, saying which (float32 for `priced` and `ceiling`); a half-precision
+`generate` run adds plain greedy in float32 as a reference row (`greedy_fp32`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Run as a script (`python utils/benchmark.py`), the repository root is not on the path: the benchmark shares the
 # asset readers with the slow tests and the chi-square helpers with the sampling tests.
@@ -62,15 +68,17 @@ from utils.memory_benchmark import (  # noqa: E402
 )
 from utils.methods import METHODS as REGISTERED_METHODS  # noqa: E402
 from utils.plotting import grouped_bars  # noqa: E402
-from utils.priced_steps import format_priced_table, run_priced, summarize_priced  # noqa: E402
-from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
-from utils.sampling_benchmark import format_sampling_table, run_sampling_benchmark, summarize_sampling  # noqa: E402
-from utils.step_ceiling import (  # noqa: E402
+from utils.priced_steps import (  # noqa: E402  # noqa: E402
     CEILING_SETTING_NAMES,
     format_ceiling_table,
+    format_priced_table,
     run_ceiling,
+    run_priced,
     summarize_ceiling,
+    summarize_priced,
 )
+from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
+from utils.sampling_benchmark import format_sampling_table, run_sampling_benchmark, summarize_sampling  # noqa: E402
 from utils.timing import ForwardTimer, Run, native_half_precision  # noqa: E402
 from utils.workload import SPEECH, Workload, environment, write_report  # noqa: E402
 
@@ -295,7 +303,7 @@ def plot(result: dict, rows: list[dict], path: Path) -> None:
 
 
 def side_by_side(args, workload: Workload, out: Path) -> None:
-    """Greedy, prompt lookup and lookahead interleaved per prompt (Whisper with `--whisper`); the default."""
+    """Greedy, prompt lookup and lookahead interleaved per prompt (Whisper tiny.en for `whisper`)."""
     result = run_benchmark(args, workload)
     rows = summarize(result)
     result["summary"] = rows
@@ -311,7 +319,7 @@ def side_by_side(args, workload: Workload, out: Path) -> None:
 
 
 def cost_curve(args, workload: Workload, out: Path) -> None:
-    """`--cost-curve`: forward time against step length (1..256) on the device, written as JSON and PNG."""
+    """`cost-curve`: forward time against step length (1..256) on the device, written as JSON and PNG."""
     model, _, device = workload.load()
     grid = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     relative = measure_step_costs(model, grid)
@@ -336,7 +344,7 @@ def cost_curve(args, workload: Workload, out: Path) -> None:
 
 
 def sampling(args, workload: Workload, out: Path) -> None:
-    """`--sampling`: plain against lookahead sampling, with a distribution check (`utils/sampling_benchmark.py`)."""
+    """`sampling`: plain against lookahead sampling, with a distribution check (`utils/sampling_benchmark.py`)."""
     model, tokenizer, device = workload.load()
     result = run_sampling_benchmark(args, model, workload.prompts(tokenizer, device))
 
@@ -347,7 +355,7 @@ def sampling(args, workload: Workload, out: Path) -> None:
 
 
 def batched(args, workload: Workload, out: Path) -> None:
-    """`--batched`: batched greedy against batched lookahead at each batch size (`utils/batched_benchmark.py`)."""
+    """`batched`: batched greedy against batched lookahead at each batch size (`utils/batched_benchmark.py`)."""
     model, tokenizer, device = workload.load()
     result = run_batched_benchmark(args, model, tokenizer, workload.prompts(tokenizer, device))
     write_report(out / "batched", result, args, device, summarize_batched, lambda rows, _: format_batched_table(rows))
@@ -355,7 +363,7 @@ def batched(args, workload: Workload, out: Path) -> None:
 
 
 def memory(args, workload: Workload, out: Path) -> None:
-    """`--memory`: the suffix memory across calls, on four workloads (`utils/memory_benchmark.py`)."""
+    """`memory`: the suffix memory across calls, on four workloads (`utils/memory_benchmark.py`)."""
     model, tokenizer, device = workload.load()
     result = run_memory_benchmark(args, model, tokenizer, device, ForwardTimer(model))
     write_report(out / "memory", result, args, device, summarize_memory, format_memory_table)
@@ -363,21 +371,21 @@ def memory(args, workload: Workload, out: Path) -> None:
 
 
 def departures(args, workload: Workload, out: Path) -> None:
-    """`--departures`: where each method's greedy output departs from plain greedy (`utils/faithfulness.py`)."""
+    """`departures`: where each method's greedy output departs from plain greedy (`utils/faithfulness.py`)."""
     model, tokenizer, device = workload.load()
     result = run_departures(args, model, tokenizer, workload.prompts(tokenizer, device))
     write_report(out / f"departures-{args.dtype}", result, args, device, summarize_departures, format_departures_table)
 
 
 def quality(args, workload: Workload, out: Path) -> None:
-    """`--quality`: HumanEval pass@1 of each decoding method (`utils/quality.py`)."""
+    """`quality`: HumanEval pass@1 of each decoding method (`utils/quality.py`)."""
     model, tokenizer, device = workload.load()
     result = run_quality(args, model, tokenizer)
     write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
 
 
 def priced(args, workload: Workload, out: Path) -> None:
-    """`--price-with`: the methods' steps priced by given cost tables (`utils/priced_steps.py`)."""
+    """`priced`: the methods' steps priced by given cost tables (`utils/priced_steps.py`)."""
     model, tokenizer, device = workload.load()
     result = run_priced(args, model, workload.prompts(tokenizer, device))
     rows = functools.partial(summarize_priced, pass_ms=args.pass_ms)
@@ -385,14 +393,14 @@ def priced(args, workload: Workload, out: Path) -> None:
 
 
 def ceiling(args, workload: Workload, out: Path) -> None:
-    """`--ceiling`: what "auto" steps were offered, verified and accepted (`utils/step_ceiling.py`)."""
+    """`ceiling`: what "auto" steps were offered, verified and accepted (`utils/priced_steps.py`)."""
     model, tokenizer, device = workload.load()
     result = run_ceiling(args, model, tokenizer, workload.prompts(tokenizer, device))
     write_report(out / "ceiling", result, args, device, summarize_ceiling, format_ceiling_table)
 
 
 def continuous_batching(args, workload: Workload, out: Path) -> None:
-    """`--continuous-batching`: plain and lookahead continuous batching under load (`utils/cb_benchmark.py`)."""
+    """`continuous-batching`: plain and lookahead continuous batching under load (`utils/cb_benchmark.py`)."""
     model, tokenizer, device = workload.load(attn_implementation="sdpa")
     result = run_continuous_batching(args, model, tokenizer, workload.prompts(tokenizer, device))
     stem = out / f"continuous_batching-{args.dtype}"
@@ -400,23 +408,8 @@ def continuous_batching(args, workload: Workload, out: Path) -> None:
     plot_continuous_batching(result["summary"], stem.with_suffix(".png"))
 
 
-# The flag that picks each benchmark (its `args` attribute); without one, `side_by_side` runs.
-BENCHMARKS = {
-    "cost_curve": cost_curve,
-    "sampling": sampling,
-    "batched": batched,
-    "memory": memory,
-    "departures": departures,
-    "quality": quality,
-    "price_with": priced,
-    "ceiling": ceiling,
-    "continuous_batching": continuous_batching,
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: the workload's arguments, each benchmark's flag (see `BENCHMARKS`) and its settings."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every benchmark runs on: the model and prompts, the dtype and device, where its files go."""
     parser.add_argument(
         "--model",
         help="smollm2 (SmolLM2-135M-Instruct, the default), qwen-coder (Qwen2.5-Coder-0.5B-Instruct), or a model "
@@ -424,107 +417,126 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dataset", choices=["mt_bench", "humaneval", "all"], default="all")
     parser.add_argument("--split", choices=["tuning", "held_out"], default="tuning")
-    parser.add_argument(
-        "--full",
-        action="store_true",
-        help="the full run (16 + 16 prompts, every method, 3 repeats, window sweep: about an hour on 2 cores) "
-        "instead of the quick one (5 + 5 prompts, greedy / prompt lookup / auto, 2 repeats: about 10 minutes)",
-    )
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (quick 5, full 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument(
-        "--price-with",
-        nargs="+",
-        default=None,
-        metavar="TABLE",
-        help="price the steps of auto (one run per table), lade's 7/5/7 and 15/5/15 and prompt lookup by these cost "
-        "tables (`flat`, or a JSON file holding relative_cost or a gpu-check report); float32 only",
-    )
-    parser.add_argument(
-        "--pass-ms",
-        type=float,
-        default=None,
-        help="with --price-with: a one-token pass's milliseconds on the priced device, to add this machine's host time",
-    )
-    parser.add_argument(
-        "--context-tokens",
-        type=int,
-        default=None,
-        help="put each prompt after an earlier turn of other tuning prompts' text, about this many tokens in all",
-    )
     parser.add_argument("--repeats", type=int, default=None, help="runs per prompt and method (quick 2, full 3)")
-    parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
-    )
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 where the device computes it natively, else float32",
     )
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
+    parser.add_argument("--output-dir", default="bench_out")
+
+
+def generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the full run (16 + 16 prompts, every method, 3 repeats, window sweep: about an hour on 2 cores) "
+        "instead of the quick one (5 + 5 prompts, greedy / prompt lookup / auto, 2 repeats: about 10 minutes)",
+    )
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
+    )
     parser.add_argument(
         "--reference-fp32",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"add plain greedy in float32 ({REFERENCE}) to a half-precision side-by-side run (default: on)",
+        help=f"add plain greedy in float32 ({REFERENCE}) to a half-precision run (default: on)",
     )
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--sweep-prompts", type=int, default=None, help="prompts for the compression-vs-window sweep (quick 0, full 4)"
     )
-    parser.add_argument("--cost-curve", action="store_true", help="measure forward cost against step length")
     parser.add_argument(
-        "--sampling", action="store_true", help="plain vs lookahead sampling, with a distribution check"
+        "--context-tokens",
+        type=positive(int),
+        default=None,
+        help="put each prompt after an earlier turn of other tuning prompts' text, about this many tokens in all",
     )
+
+
+def whisper_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
+    )
+
+
+def sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     parser.add_argument("--check-runs", type=int, default=300, help="runs per method of the distribution check")
     parser.add_argument("--check-tokens", type=int, default=6, help="first tokens compared by the distribution check")
-    parser.add_argument("--batched", action="store_true", help="batched greedy vs batched lookahead throughput")
-    parser.add_argument(
-        "--memory",
-        action="store_true",
-        help="the suffix memory across calls, on four workloads (see memory_benchmark)",
-    )
+
+
+def batched_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument(
-        "--whisper", action="store_true", help="Whisper tiny.en on MT-Bench questions read by espeak-ng"
-    )
-    parser.add_argument(
-        "--departures",
-        action="store_true",
-        help="where each method's greedy output departs from plain greedy, beside batched greedy (utils/faithfulness.py)",
-    )
+
+
+def departures_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-implementation",
         choices=["dynamic", "static"],
         default="dynamic",
-        help="--departures: the cache every method and plain greedy decode with (a static cache gives every pass of "
-        "a call the same key slots)",
+        help="the cache every method and plain greedy decode with (a static cache gives every pass of a call the "
+        "same key slots)",
     )
-    parser.add_argument(
-        "--quality",
-        action="store_true",
-        help="HumanEval pass@1 of greedy, batched greedy, prompt lookup and lookahead (utils/quality.py); "
-        "--num-prompts problems, at most the 82 tuning ones",
-    )
+
+
+def quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--first-problem",
         type=int,
         default=0,
-        help="--quality: the first HumanEval tuning problem to run (0-81; default 0), to split a long run",
+        choices=range(TUNING_PROBLEMS),
+        metavar=f"0-{TUNING_PROBLEMS - 1}",
+        help="the first HumanEval tuning problem to run (default 0), to split a long run",
+    )
+
+
+def priced_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "price_with",
+        nargs="+",
+        metavar="TABLE",
+        help="the cost tables to price steps by: `flat`, or a JSON file holding relative_cost or a gpu-check report",
     )
     parser.add_argument(
-        "--continuous-batching",
-        action="store_true",
-        help="plain vs lookahead continuous batching vs lookahead generate one request at a time, at each "
-        "--concurrency (utils/cb_benchmark.py)",
+        "--pass-ms",
+        type=positive(float),
+        default=None,
+        help="a one-token pass's milliseconds on the priced device, to add this machine's host time",
+    )
+
+
+def ceiling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ceiling-settings",
+        nargs="+",
+        choices=list(CEILING_SETTING_NAMES),
+        default=None,
+        help="the settings to run (default: all); bf16 prices steps by the model's bf16 curve, the flat ones verify "
+        "everything offered",
+    )
+
+
+def continuous_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument(
+        "--arrival-rate",
+        type=positive(float),
+        nargs="+",
+        default=None,
+        help="requests per second of an open loop (Poisson arrivals), one level each, instead of the closed loop of "
+        "--concurrency clients",
     )
     parser.add_argument(
         "--padded-engines",
         action="store_true",
-        help="--continuous-batching: also both engines with every step padded to 64 query and 256 key tokens, "
-        "captured as CUDA graphs on a GPU and compiled (static shapes) elsewhere",
+        help="also both engines with every step padded to 64 query and 256 key tokens, captured as CUDA graphs on a "
+        "GPU and compiled (static shapes) elsewhere",
     )
     parser.add_argument(
         "--padded-backend",
@@ -532,109 +544,124 @@ def build_parser() -> argparse.ArgumentParser:
         default="inductor",
         help="--padded-engines off a GPU: the compiler backend (eager: dynamo alone, which checks the shapes quickly)",
     )
-    parser.add_argument(
-        "--ceiling",
-        action="store_true",
-        help='what "auto" steps were offered, verified and accepted, priced by fixed cost curves, in float32 '
-        "(utils/step_ceiling.py)",
-    )
-    parser.add_argument(
-        "--ceiling-settings",
-        nargs="+",
-        choices=list(CEILING_SETTING_NAMES),
-        default=None,
-        help="--ceiling: the settings to run (default: all); bf16 prices steps by the model's bf16 curve, the flat "
-        "ones verify everything offered",
-    )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument(
-        "--arrival-rate",
-        type=float,
-        nargs="+",
-        default=None,
-        help="--continuous-batching: requests per second of an open loop (Poisson arrivals), one level each, instead "
-        "of the closed loop of --concurrency clients",
-    )
-    parser.add_argument("--cache-dir", default=None, help="where the model and datasets are kept")
-    parser.add_argument("--output-dir", default="bench_out")
-    return parser
 
 
-def resolve_arguments(args, parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a `kind` above 0, else a usage error naming the value."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"takes a value above 0, got {text}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """
+    One benchmark (`python -m utils.bench <name>`): what it measures and writes (`run`, which writes its table
+    beside its JSON file), the arguments it takes besides the workload's, and the dtype `--dtype auto` means for it.
+    """
+
+    run: Callable[[argparse.Namespace, Workload, Path], None]
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    auto_dtype: str | None = None
+    preset: dict | None = None
+
+
+# Their texts must be plain greedy's, so that what each step could accept is known: float32.
+BENCHMARKS = {
+    "generate": Benchmark(
+        side_by_side, "greedy, prompt lookup and lookahead side by side (interleaved per prompt)", generate_arguments
+    ),
+    "whisper": Benchmark(
+        side_by_side, "the same with Whisper tiny.en on MT-Bench questions read by espeak-ng", whisper_arguments
+    ),
+    "cost-curve": Benchmark(cost_curve, "forward time against step length on this device"),
+    "sampling": Benchmark(sampling, "plain against lookahead sampling, with a distribution check", sampling_arguments),
+    "batched": Benchmark(batched, "batched greedy against batched lookahead at each batch size", batched_arguments),
+    "memory": Benchmark(memory, "the suffix memory across calls, on four workloads", preset=MEMORY),
+    "departures": Benchmark(
+        departures, "where each method departs from plain greedy, beside batched greedy", departures_arguments
+    ),
+    "quality": Benchmark(quality, "HumanEval pass@1 of each decoding method", quality_arguments),
+    "priced": Benchmark(
+        priced, "the methods' steps (float32) priced by given cost tables", priced_arguments, auto_dtype="float32"
+    ),
+    "ceiling": Benchmark(
+        ceiling, 'what "auto" steps were offered, verified and accepted (float32)', ceiling_arguments, "float32"
+    ),
+    "continuous-batching": Benchmark(
+        continuous_batching, "plain and lookahead continuous batching under load", continuous_batching_arguments
+    ),
+}
+# What the shared code reads of the arguments a benchmark does not take.
+DEFAULTS = {"full": False, "methods": None, "reference_fp32": False, "sweep_prompts": None, "context_tokens": None}
+
+
+def add_benchmarks(subcommands: argparse._SubParsersAction) -> None:
+    """Adds every benchmark of `BENCHMARKS` as a subcommand, with the workload's arguments and its own."""
+    for name, benchmark in BENCHMARKS.items():
+        parser = subcommands.add_parser(name, help=benchmark.help, description=benchmark.help)
+        workload_arguments(parser)
+        if benchmark.arguments is not None:
+            benchmark.arguments(parser)
+        parser.set_defaults(benchmark=name)
+
+
+def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """
     Fills what the arguments leave to the benchmark (the preset's counts and methods, the dtype, the float32
     reference) and refuses, through `parser.error`, a combination that cannot run, before anything loads.
     """
-    chosen = [name for name in BENCHMARKS if getattr(args, name)]
-    if len(chosen) > 1 or (chosen and args.whisper):
-        flags = ", ".join("--" + name.replace("_", "-") for name in (["whisper"] if args.whisper else []) + chosen)
-        parser.error(f"{flags}: each picks its own benchmark; run them one at a time.")
-    preset = FULL if args.full else (MEMORY if args.memory else QUICK)
+    benchmark = BENCHMARKS[args.benchmark]
+    for name, value in DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    args.whisper = args.benchmark == "whisper"
+    preset = FULL if args.full else (benchmark.preset or QUICK)
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.command = "python utils/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.command = "python -m utils.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
-    if (args.ceiling or args.price_with) and args.dtype == "auto":
-        args.dtype = "float32"  # Their texts must be plain greedy's, so that what each step could accept is known.
+    if benchmark.auto_dtype is not None and args.dtype not in ("auto", benchmark.auto_dtype):
+        parser.error(f"{args.benchmark} decodes in {benchmark.auto_dtype}, where every text is plain greedy's.")
     if args.dtype == "auto":
-        native = native_half_precision(Workload(args).device)
+        native = benchmark.auto_dtype or native_half_precision(Workload(args).device)
         args.dtype = native or "float32"
-        print(
-            f"dtype: {args.dtype} ("
-            + ("computed natively on this device" if native else "this device has no native half precision")
-            + "; --dtype sets another)",
-            flush=True,
-        )
+        print(f"dtype: {args.dtype} (--dtype sets another)", flush=True)
     if REFERENCE in args.methods:
         args.methods = [method for method in args.methods if method != REFERENCE]
         args.reference_fp32 = True
     if args.reference_fp32 is None:
-        args.reference_fp32 = args.dtype != "float32" and not args.whisper
+        args.reference_fp32 = args.dtype != "float32"
     if "greedy" not in args.methods:
         args.methods = ["greedy", *args.methods]
-    if args.whisper and args.reference_fp32:
-        parser.error("--reference-fp32 compares causal language models; drop it with --whisper.")
     if args.whisper and args.model:
-        parser.error("--whisper runs the greedy side-by-side benchmark on its own model; drop --model.")
-    if args.padded_engines and not args.continuous_batching:
-        parser.error("--padded-engines adds engines to --continuous-batching; add it, or drop --padded-engines.")
-    if args.arrival_rate is not None and not args.continuous_batching:
-        parser.error("--arrival-rate sets the load of --continuous-batching; add it, or drop --arrival-rate.")
-    if args.arrival_rate is not None and min(args.arrival_rate) <= 0:
-        parser.error(f"--arrival-rate takes requests per second above 0, got {args.arrival_rate}.")
-    if args.cache_implementation != "dynamic" and not args.departures:
-        parser.error("--cache-implementation sets the cache of --departures; add it, or drop --cache-implementation.")
-    if args.ceiling_settings is not None and not args.ceiling:
-        parser.error("--ceiling-settings chooses the settings of --ceiling; add it, or drop --ceiling-settings.")
-    if args.price_with is not None and args.dtype != "float32":
-        parser.error("--price-with decodes in float32, where every text is plain greedy's: add --dtype float32.")
-    if args.pass_ms is not None and (args.price_with is None or args.pass_ms <= 0):
-        parser.error(
-            "--pass-ms takes the milliseconds (above 0) of a one-token pass on the device --price-with prices."
-        )
-    if args.context_tokens is not None and (args.context_tokens < 1 or args.whisper):
-        parser.error("--context-tokens takes a number of tokens above 0, for the text models' generate benchmark.")
-    if not 0 <= args.first_problem < TUNING_PROBLEMS:
-        parser.error(f"--first-problem must be one of the tuning problems, 0 to {TUNING_PROBLEMS - 1}.")
+        parser.error("whisper runs on its own model; drop --model.")
 
 
 def main(argv: list[str] | None = None, workload: Workload | None = None) -> None:
     """
-    Runs the benchmark the arguments pick (see `BENCHMARKS`) and writes its report into `--output-dir`.
+    Runs the benchmark `argv` names first (see `BENCHMARKS`) with the arguments after it, and writes its report into
+    `--output-dir`: what `python -m utils.bench <benchmark> ...` runs.
 
     Args:
-        argv (`list[str]`, *optional*): the arguments, by default the command line's.
+        argv (`list[str]`, *optional*): the benchmark's name and its arguments, by default the command line's.
         workload (`Workload`, *optional*): what the benchmark runs on, by default what the arguments name.
     """
-    parser = build_parser()
+    parser = argparse.ArgumentParser(prog="python -m utils.bench", description="The benchmarks.")
+    add_benchmarks(parser.add_subparsers(dest="benchmark", required=True, metavar="benchmark"))
     args = parser.parse_args(argv)
     resolve_arguments(args, parser, argv)
-    run = next((BENCHMARKS[name] for name in BENCHMARKS if getattr(args, name)), side_by_side)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run(args, Workload(args) if workload is None else workload, out)
+    BENCHMARKS[args.benchmark].run(args, Workload(args) if workload is None else workload, out)
 
 
 if __name__ == "__main__":

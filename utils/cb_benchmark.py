@@ -1,5 +1,5 @@
 """
-`utils/benchmark.py --continuous-batching`: Transformers' continuous batching with and without lookahead, and
+`python -m utils.bench continuous-batching`: Transformers' continuous batching with and without lookahead, and
 lookahead `generate` serving one request at a time, at several loads.
 
 Each level replays the same prompts as a closed loop of `concurrency` clients: every client sends its next prompt as

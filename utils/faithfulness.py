@@ -1,11 +1,11 @@
 """
-`utils/benchmark.py --departures`: how often, and where, each method's greedy output departs from plain greedy
+`python -m utils.bench departures`: how often, and where, each method's greedy output departs from plain greedy
 decoding of the same prompt, next to the baseline every batching server sets: plain greedy of the same prompt in a
 left-padded batch of two. In fp32 every method should never depart; in bf16 / fp16 a pass over several tokens (or
 several rows) reduces in another order than a one-token pass, so near-ties can break the other way.
 
-    python utils/benchmark.py --departures --dtype bfloat16 --num-prompts 8 --max-new-tokens 96
-    python utils/benchmark.py --departures --dtype bfloat16 --cache-implementation static   # one key length per call
+    python -m utils.bench departures --dtype bfloat16 --num-prompts 8 --max-new-tokens 96
+    python -m utils.bench departures --dtype bfloat16 --cache-implementation static   # one key length per call
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Checks (each prints one line; the run fails if an exactness check fails):
 - continuous batching with padded steps captured as CUDA graphs (compiled on the CPU), plain and with lookahead,
   beside the eager engines: fp32 tokens identical to the eager plain engine's, tokens/s, tokens per step;
 - with `--real-model`: SmolLM2-135M-Instruct in bf16 on tuning prompts, speed side by side (plain greedy, prompt
-  lookup, lookahead "auto"; `utils/benchmark.py`) and departures from plain greedy beside batched greedy's
+  lookup, lookahead "auto"; `python -m utils.bench generate`) and departures from plain greedy beside batched greedy's
   (`--departures`). The assets come from PyPI once (`utils/assets.py`), or from a folder staged ahead with
   `--cache-dir` on a machine without network.
 """
@@ -441,7 +441,16 @@ def check_real_model(report: Report, device: torch.device, args: argparse.Namesp
         else:
             folder = stack.enter_context(tempfile.TemporaryDirectory())
         benchmark.main(
-            [*common, "--output-dir", folder, "--max-new-tokens", "128", "--repeats", str(args.real_repeats)]
+            [
+                "generate",
+                *common,
+                "--output-dir",
+                folder,
+                "--max-new-tokens",
+                "128",
+                "--repeats",
+                str(args.real_repeats),
+            ]
             + ["--methods", "greedy", "prompt_lookup", "lookahead_auto", "--no-reference-fp32"]
         )
         for row in json.loads(Path(folder, "benchmark.json").read_text())["summary"]:
@@ -458,7 +467,7 @@ def check_real_model(report: Report, device: torch.device, args: argparse.Namesp
             )
         # A static cache gives every pass of a call the same key slots (see the guide's Exactness section).
         for cache in ("dynamic", "static"):
-            departures = [*common, "--output-dir", folder, "--max-new-tokens", "64", "--departures"]
+            departures = ["departures", *common, "--output-dir", folder, "--max-new-tokens", "64"]
             benchmark.main([*departures, "--cache-implementation", cache])
             written = Path(folder, "departures-bfloat16.json").rename(
                 Path(folder, f"departures-bfloat16-{cache}.json")

@@ -1,5 +1,5 @@
 """
-What the suffix memory gains across calls (`python utils/benchmark.py --memory`): four workloads that repeat
+What the suffix memory gains across calls (`python -m utils.bench memory`): four workloads that repeat
 themselves, each prompt run by every method in turn (interleaved, order rotated per prompt), the memory empty at
 the start of each repeat:
 

@@ -1,9 +1,9 @@
 """
-`utils/benchmark.py --quality`: HumanEval pass@1 of each decoding method, as users judge a code model. Every method
+`python -m utils.bench quality`: HumanEval pass@1 of each decoding method, as users judge a code model. Every method
 completes each tuning problem (the chat prompt the other benchmarks use), and each completion runs against the
 problem's own tests in a subprocess of its own, in a temporary directory, with a timeout.
 
-    python utils/benchmark.py --quality --model qwen-coder --dtype bfloat16 --num-prompts 16 --max-new-tokens 384
+    python -m utils.bench quality --model qwen-coder --dtype bfloat16 --num-prompts 16 --max-new-tokens 384
 
 A run too long for one sitting splits by `--first-problem`; `python -m utils.quality merge OUT.json RUN.json...`
 writes the runs' problems as one result and prints its table.
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(description="Merge `--quality` runs over different problems into one result.")
-    parser.add_argument("command", choices=["merge"])
+    parser = argparse.ArgumentParser(description="Merges `quality` runs over different problems into one result.")
     parser.add_argument("output", type=Path, help="the merged result (.json; its table goes beside it as .txt)")
     parser.add_argument("runs", type=Path, nargs="+", help="the runs' .json files, in problem order")
     args = parser.parse_args(argv)

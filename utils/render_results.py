@@ -67,9 +67,9 @@ def _method(name: str) -> str:
 
 
 def model_of(result: dict) -> str:
-    """The model a run measured, from its command (`--model`, `--whisper`; SmolLM2 by default)."""
+    """The model a run measured, from its command (`--model`, the `whisper` benchmark; SmolLM2 by default)."""
     command = result["environment"].get("command") or ""
-    if "--whisper" in command:
+    if "--whisper" in command or " bench whisper" in command:
         return MODELS["whisper"]
     match = re.search(r"--model (\S+)", command)
     return MODELS.get(match.group(1), match.group(1)) if match else MODELS["smollm2"]
@@ -444,7 +444,7 @@ KINDS = [
     ),
     Kind(
         "Sampling",
-        "`do_sample=True` with and without lookahead (`--sampling`); the distribution is checked by chi-square.",
+        "`do_sample=True` with and without lookahead (`sampling`); the distribution is checked by chi-square.",
         lambda r: "sample_tokens_per_s" in _summary_keys(r),
         _sampling_table,
     ),
@@ -462,7 +462,7 @@ KINDS = [
     ),
     Kind(
         "Step ceiling",
-        'What `"auto"`\'s steps were offered, verified and accepted (`--ceiling`), in fp32, priced by a cost curve.',
+        'What `"auto"`\'s steps were offered, verified and accepted (`ceiling`), in fp32, priced by a cost curve.',
         lambda r: "ceiling_per_step" in _summary_keys(r),
         _ceiling_table,
     ),
@@ -484,7 +484,7 @@ KINDS = [
     ),
     Kind(
         "Operators per forward pass",
-        "Operators a decoding pass dispatches (`utils/operator_count.py`, a `TorchDispatchMode` around `generate`, "
+        "Operators a decoding pass dispatches (`experiments/operator_count.py`, a `TorchDispatchMode` around `generate`, "
         "the median decoding pass): plain greedy's one-token pass against a lookahead 7/5/7 pass, on the first "
         "HumanEval tuning prompt. Counts do not depend on the machine's speed.",
         lambda r: "operators" in r,
@@ -492,7 +492,7 @@ KINDS = [
     ),
     Kind(
         "Host time per step as the text grows",
-        "`utils/host_time.py`: the time from a step's forward pass's end to the next pass's start (verifying, "
+        "`experiments/host_time.py`: the time from a step's forward pass's end to the next pass's start (verifying, "
         "committing and learning from the step, planning and laying out the next), median over the steps in the "
         "first and in the last tokens of long texts (end-of-sequence ignored), methods interleaved per prompt; and "
         "the same between steps that kept as many tokens (a step that keeps more verifies, appends and moves more), "

@@ -1,5 +1,5 @@
 """
-`utils/benchmark.py --sampling`: plain sampling against lookahead sampling, interleaved per prompt with the same seed
+`python -m utils.bench sampling`: plain sampling against lookahead sampling, interleaved per prompt with the same seed
 at each temperature, and a distribution check per temperature (the first tokens of many draws of each, compared
 position by position).
 """

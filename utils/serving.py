@@ -5,7 +5,7 @@
     python utils/serving.py                   # writes the model folder once, then serves it on 127.0.0.1:8000
     python utils/serving.py --port 8123 --window 7 --dtype float32
 
-Also the server process the tests and `utils/benchmark.py --serve` start and stop (`ServeProcess`).
+Also the server process the tests and the benchmarks start and stop (`ServeProcess`).
 """
 
 from __future__ import annotations

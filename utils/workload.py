@@ -25,7 +25,7 @@ from utils.assets import (
 )
 from utils.timing import native_half_precision, provenance
 
-# The category of every `--whisper` prompt.
+# The category of every `whisper` prompt.
 SPEECH = "speech (whisper)"
 
 
@@ -33,7 +33,7 @@ class Workload:
     """
     The model and the prompts a benchmark's arguments name, loaded when a benchmark asks: `--model`, `--dtype` and
     `--device` for the model; `--dataset`, `--split`, `--num-prompts` and `--context-tokens` for the prompts, each
-    `(prompt_id, category, input_ids, prompt_length)`; `--whisper` for Whisper tiny.en and MT-Bench questions read
+    `(prompt_id, category, input_ids, prompt_length)`; the `whisper` benchmark's for Whisper tiny.en and MT-Bench questions read
     aloud. Tests give a benchmark a workload of their own (a tiny model, fixed prompts).
 
     Args:

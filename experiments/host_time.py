@@ -4,8 +4,8 @@ Host time per decoding step as the text grows: the time from a step's forward pa
 and steps near its end, per method, on the real model. End-of-sequence is ignored so that every text reaches its
 length.
 
-    python utils/host_time.py                                   # SmolLM2, 2 + 2 tuning prompts, 1024 new tokens
-    python utils/host_time.py --model qwen-coder --num-prompts 1
+    python -m experiments.host_time                                   # SmolLM2, 2 + 2 tuning prompts, 1024 new tokens
+    python -m experiments.host_time --model qwen-coder --num-prompts 1
 
 Steps are grouped by the tokens generated before them: the first `--window` tokens and the last `--window` tokens.
 """
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                     runs.append({"prompt_id": prompt_id, "method": method, "repeat": repeat, "steps": steps})
                     print(f"{prompt_id} {method} repeat {repeat}: {len(steps)} steps", flush=True)
     summary = summarize_host_time(runs, args.new_tokens, args.window)
-    command = "python utils/host_time.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m experiments.host_time " + " ".join(argv if argv is not None else sys.argv[1:])
     environment = {
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,

@@ -1,4 +1,8 @@
-"""Gather vs refeed cache commit on SmolLM2-135M-Instruct, interleaved per prompt (the numbers in the docs)."""
+"""
+Gather vs refeed cache commit on SmolLM2-135M-Instruct, interleaved per prompt (the numbers in the guide):
+
+    python -m experiments.cache_commit_time --prompts 3 --repeats 2
+"""
 
 import argparse
 import statistics

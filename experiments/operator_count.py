@@ -3,8 +3,8 @@ Operators dispatched per forward pass: a plain one-token greedy pass against a l
 `TorchDispatchMode` around `generate`, split per pass by forward hooks. Operator counts do not depend on the machine's
 speed or load, so they show what a step adds to a pass wherever the passes run.
 
-    python utils/operator_count.py                          # SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct
-    python utils/operator_count.py --model smollm2 --contexts   # operators only, no pass timing
+    python -m experiments.operator_count                          # SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct
+    python -m experiments.operator_count --model smollm2 --contexts   # operators only, no pass timing
 
 With `--contexts`, it also times one lookahead-shaped pass over caches of those lengths with the key/value heads
 repeated for the masked attention (as Transformers' sdpa does) and grouped without copies, interleaved.
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "native_half_precision": native_half_precision(torch.device("cpu")),
-        "command": "python utils/operator_count.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m experiments.operator_count " + " ".join(argv if argv is not None else sys.argv[1:]),
         **provenance(),
     }
     out = Path(args.output_dir)
