@@ -61,5 +61,15 @@ class MethodsTest(unittest.TestCase):
             methods("lookahead_9")
 
 
+class PercentileTest(unittest.TestCase):
+    def test_nearest_rank_for_every_tool(self):
+        from utils.timing import percentile
+
+        values = list(range(10, 0, -1))
+        self.assertEqual((percentile(values, 0.5), percentile(values, 0.95), percentile(values, 1.0)), (5, 10, 10))
+        self.assertEqual((percentile([0.5, 1.5], 0.5), percentile([0.5, 1.5], 0.95)), (0.5, 1.5))
+        self.assertEqual(percentile([3.0], 0.05), 3.0)
+
+
 if __name__ == "__main__":
     unittest.main()

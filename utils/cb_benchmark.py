@@ -42,7 +42,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from utils.timing import ForwardTimer
+from utils.timing import ForwardTimer, percentile
 
 ENGINES = ("plain_cb", "lookahead_cb", "generate_one_at_a_time")
 # With `--padded-engines`: both engines again, every step padded to 64 query and 256 key tokens and captured as a
@@ -57,12 +57,6 @@ ENGINE_BLOCKS = 80
 ENGINE_BATCH_TOKENS = 1024
 # Seconds without any output after which a loop gives up on its engine.
 RESULT_TIMEOUT = 600.0
-
-
-def _p95(values: list[float]) -> float:
-    """The nearest-rank 95th percentile."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, -(-95 * len(ordered) // 100) - 1)]
 
 
 def engine_config(tokenizer, max_new_tokens: int, lookahead: bool) -> GenerationConfig:
@@ -426,11 +420,11 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
                     "full_load_tokens_per_s": full_rate,
                     "full_load_speedup_vs_plain_cb": _ratio(full_rate, plain[1]),
                     "latency_p50": statistics.median(latency),
-                    "latency_p95": _p95(latency),
+                    "latency_p95": percentile(latency, 0.95),
                     # How many times shorter than plain continuous batching's: what an open loop's load is judged by.
                     "latency_p50_speedup_vs_plain_cb": plain[2] / statistics.median(latency),
                     "first_token_p50": statistics.median(first),
-                    "first_token_p95": _p95(first),
+                    "first_token_p95": percentile(first, 0.95),
                     "identical": identical,
                     "answers": sum(len(run["answers"]) for run in runs),
                 }

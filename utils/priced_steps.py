@@ -296,9 +296,7 @@ def run_ceiling(args, model, tokenizer, prompts) -> dict:
     require_float32(model, "ceiling", args.dtype)
     curve = BFLOAT16_CURVES.get(args.model or "smollm2")
     if curve is None:
-        raise ValueError(
-            f"ceiling knows the bf16 cost curve of {sorted(BFLOAT16_CURVES)}, not --model {args.model}."
-        )
+        raise ValueError(f"ceiling knows the bf16 cost curve of {sorted(BFLOAT16_CURVES)}, not --model {args.model}.")
     chosen = getattr(args, "ceiling_settings", None) or list(CEILING_SETTING_NAMES)
     unknown = sorted(set(chosen) - set(CEILING_SETTING_NAMES))
     if unknown:

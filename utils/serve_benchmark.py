@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from utils.assets import chat_messages, tuning_prompts  # noqa: E402
 from utils.serving import ServeProcess, lookahead_folder  # noqa: E402
+from utils.timing import percentile  # noqa: E402
 
 DATASETS = ("humaneval", "mt_bench")
 
@@ -103,11 +104,6 @@ def _replay(
     return {"wall": wall, "requests": ordered, "tokens": sum(r["tokens"] for r in ordered)}
 
 
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
 def summarize(runs: list[dict]) -> list[dict]:
     """Per dataset, number of clients and server: median tokens/s over repeats, latency and TTFT percentiles."""
     grouped = defaultdict(list)
@@ -122,10 +118,10 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "clients": clients,
                 "server": server,
                 "tokens_per_second": statistics.median(run["tokens"] / run["wall"] for run in group),
-                "latency_p50": _percentile([r["latency"] for r in requests], 0.5),
-                "latency_p95": _percentile([r["latency"] for r in requests], 0.95),
-                "ttft_p50": _percentile([r["ttft"] for r in requests], 0.5),
-                "ttft_p95": _percentile([r["ttft"] for r in requests], 0.95),
+                "latency_p50": percentile([r["latency"] for r in requests], 0.5),
+                "latency_p95": percentile([r["latency"] for r in requests], 0.95),
+                "ttft_p50": percentile([r["ttft"] for r in requests], 0.5),
+                "ttft_p95": percentile([r["ttft"] for r in requests], 0.95),
                 "identical": sum(run["identical"] for run in group),
                 "runs": len(group),
             }

@@ -13,6 +13,12 @@ from pathlib import Path
 import torch
 
 
+def percentile(values: list[float], fraction: float) -> float:
+    """The nearest-rank percentile `fraction` (0.95 for p95) of `values`: the smallest value with that share at most."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered), -(-round(100 * fraction) * len(ordered) // 100)) - 1)]
+
+
 def provenance(root: Path | None = None) -> dict:
     """
     When, on which revision of this repository and on how many cores a result was measured, as every result file
