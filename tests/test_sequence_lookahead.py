@@ -12,7 +12,6 @@ from transformers_lookahead.sequence_lookahead import (
     LookaheadFactory,
     PoolCandidates,
     SequenceLookahead,
-    offer_candidates,
 )
 from transformers_lookahead.step_layout import RowLayout
 from transformers_lookahead.step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice
@@ -56,6 +55,12 @@ def _sequence(config: LookaheadConfig, limit: int = 40, recall=lambda key: None,
 
 
 LAYOUT = RowLayout(3, 2, torch.device("cpu"))
+
+
+def _offer(sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None):
+    """The sequence's offer from `sources`, for a model embedding `max_positions` positions."""
+    sequence.factory.sources, sequence.factory.max_positions = sources, max_positions
+    return sequence.offer()
 
 
 class LookaheadFactoryTest(unittest.TestCase):
@@ -123,11 +128,11 @@ class LookaheadFactoryTest(unittest.TestCase):
         self.assertEqual(factory.pricing(2), steep.for_batch(2)(2))
 
 
-class OfferCandidatesTest(unittest.TestCase):
+class OfferTest(unittest.TestCase):
     def test_every_source_proposes_into_one_tree(self):
         sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
         sources = [PoolCandidates(2), FixedPath([40, 41, 42])]
-        offer = offer_candidates(sequence, sources, max_positions=None)
+        offer = _offer(sequence, sources, max_positions=None)
         tree = offer.tree
         # The pool's continuation of 5 (6, 7) and the new source's path, each cut at its depth, in one tree.
         six = tree.child(-1, 6)
@@ -138,17 +143,17 @@ class OfferCandidatesTest(unittest.TestCase):
 
     def test_sources_stop_at_the_room_the_sequence_has_left(self):
         sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4), limit=len(TEXT) + 2)
-        offer = offer_candidates(sequence, [FixedPath([40, 41, 42])], max_positions=None)
+        offer = _offer(sequence, [FixedPath([40, 41, 42])], max_positions=None)
         self.assertEqual(offer.tree.tokens, [40], "two tokens left: one candidate and the model's next token")
         # Positions 0..9 embedded: a candidate at position 9 still fits, none at 10.
-        offer = offer_candidates(sequence, [FixedPath([40, 41, 42])], max_positions=len(TEXT) + 1)
+        offer = _offer(sequence, [FixedPath([40, 41, 42])], max_positions=len(TEXT) + 1)
         self.assertEqual(offer.tree.tokens, [40])
-        offer = offer_candidates(sequence, [FixedPath([40, 41, 42])], max_positions=len(TEXT))
+        offer = _offer(sequence, [FixedPath([40, 41, 42])], max_positions=len(TEXT))
         self.assertEqual(offer.tree.tokens, [], "no position left past the next token's")
 
     def test_context_proposes_what_followed_the_suffix_earlier(self):
         sequence = _sequence(LookaheadConfig(window="auto", ngram=3))
-        offer = offer_candidates(sequence, [ContextCandidates(4)], max_positions=None)
+        offer = _offer(sequence, [ContextCandidates(4)], max_positions=None)
         # The text ends in 5, which was followed by 6 7 9 5 the last time.
         self.assertEqual(offer.tree.tokens, [6, 7, 9, 5])
 
@@ -156,7 +161,7 @@ class OfferCandidatesTest(unittest.TestCase):
 class SequenceStepTest(unittest.TestCase):
     def test_plans_within_the_budget_and_the_room(self):
         sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
-        offer = offer_candidates(sequence, [PoolCandidates(2)], max_positions=None)
+        offer = _offer(sequence, [PoolCandidates(2)], max_positions=None)
         whole = sequence.plan(offer, LAYOUT)
         self.assertTrue(whole.choice.use_window)
         self.assertEqual(whole.row.length, 1 + 6 + 2)
@@ -176,7 +181,7 @@ class SequenceStepTest(unittest.TestCase):
 
     def test_moves_the_sequence_past_a_step(self):
         sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
-        step = sequence.plan(offer_candidates(sequence, [PoolCandidates(2)], max_positions=None), LAYOUT)
+        step = sequence.plan(_offer(sequence, [PoolCandidates(2)], max_positions=None), LAYOUT)
         before = [list(level) for level in sequence.window.tokens]
         # The step accepted 6 and 7 from the tree, then 11: three tokens appended to the text.
         sequence.tokens.extend([6, 7, 11])
@@ -193,7 +198,7 @@ class SequenceStepTest(unittest.TestCase):
     def test_a_refeeding_step_feeds_what_it_kept_again(self):
         config = LookaheadConfig(window=3, ngram=3, guess=4, cache_commit="refeed")
         sequence = _sequence(config, refeed=True)
-        offer = offer_candidates(sequence, [PoolCandidates(2)], max_positions=None)
+        offer = _offer(sequence, [PoolCandidates(2)], max_positions=None)
         choice = sequence.policy.plan(offer)
         step = sequence.plan(offer, LAYOUT, room=3)
         sequence.tokens.extend([6, 7, 11])

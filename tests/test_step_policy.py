@@ -65,7 +65,7 @@ class StepPolicyTest(unittest.TestCase):
         choice = _plan(policy, _tree(), window_allowed=False)
         self.assertFalse(choice.use_window)
         self.assertEqual(len(choice.tree), 0)
-        self.assertLess(policy.match_rate[1], 0.05)
+        self.assertLess(policy.acceptance.match_rate[1], 0.05)
 
     def test_matches_raise_the_estimate_even_when_nothing_was_verified(self):
         policy = AdaptiveStepPolicy(StepPricing(STEEP), window_length=8, levels=2)
@@ -73,7 +73,7 @@ class StepPolicyTest(unittest.TestCase):
         for _ in range(30):
             # Nothing verified, but the accepted token equals a pooled candidate.
             policy.observe(_unverified(policy, tree), Verdict([1], [], [], []), NGramPool(2, 3), 0)
-        self.assertGreater(policy.match_rate[1], 0.9)
+        self.assertGreater(policy.acceptance.match_rate[1], 0.9)
         self.assertIn(1, _plan(policy, tree, window_allowed=False).tree.tokens)
 
     def test_a_batch_budget_is_filled_by_likeliest_nodes(self):
@@ -87,7 +87,7 @@ class StepPolicyTest(unittest.TestCase):
         self.assertFalse(choice.use_window)
         planned = choice.tree
         self.assertEqual(len(planned), 3)
-        probability = policy.node_probabilities(tree)
+        probability = policy.acceptance.node_probabilities(tree)
         kept = sorted(range(len(tree)), key=lambda node: -probability[node])[:3]
         self.assertEqual(sorted(planned.tokens), sorted(tree.tokens[node] for node in kept))
 
@@ -135,7 +135,7 @@ class StepPolicyTest(unittest.TestCase):
     def test_node_probabilities_follow_pool_shares(self):
         policy = AdaptiveStepPolicy(StepPricing(FLAT), window_length=8, levels=2)
         tree = _tree()
-        probability = policy.node_probabilities(tree)
+        probability = policy.acceptance.node_probabilities(tree)
         one, four = tree.child(-1, 1), tree.child(-1, 4)
         self.assertAlmostEqual(probability[one], 2 * probability[four])
         two = tree.child(one, 2)
@@ -145,19 +145,19 @@ class StepPolicyTest(unittest.TestCase):
         policy = AdaptiveStepPolicy(StepPricing(FLAT), window_length=8, levels=2, memory_match=3, memory_depth=4)
         tree = TokenTree()
         tree.add_memory(MemoryMatch(2, ((1, 2), (1, 2), (1, 3), (4,))), max_nodes=10)
-        probability = policy.node_probabilities(tree)
+        probability = policy.acceptance.node_probabilities(tree)
         one, four = tree.child(-1, 1), tree.child(-1, 4)
         self.assertAlmostEqual(probability[one], 0.5 * 3 / 4)
         self.assertAlmostEqual(probability[four], 0.5 * 1 / 4)
         self.assertAlmostEqual(probability[tree.child(one, 2)], probability[one] * 0.5 * 2 / 3)
         for _ in range(40):
             policy.observe(_unverified(policy, tree), Verdict([1, 2, 9], [0, 1], [], []), NGramPool(2, 3), 0)
-        self.assertGreater(policy.memory_rate[2][1], 0.95)
-        self.assertGreater(policy.memory_rate[2][2], 0.95)
-        self.assertEqual(policy.memory_rate[3][1], 0.5, "rates are learnt per match length")
+        self.assertGreater(policy.acceptance.memory_rate[2][1], 0.95)
+        self.assertGreater(policy.acceptance.memory_rate[2][2], 0.95)
+        self.assertEqual(policy.acceptance.memory_rate[3][1], 0.5, "rates are learnt per match length")
         for _ in range(40):
             policy.observe(_unverified(policy, tree), Verdict([9], [], [], []), NGramPool(2, 3), 0)
-        self.assertLess(policy.memory_rate[2][1], 0.05)
+        self.assertLess(policy.acceptance.memory_rate[2][1], 0.05)
         fresh = AdaptiveStepPolicy(StepPricing(MODEST), 8, 2, memory_match=3, memory_depth=4)
         self.assertGreater(len(_plan(fresh, tree, False).tree), 0, "the prior verifies the likeliest continuation")
         policy.pricing.use_table(MODEST)
@@ -172,15 +172,15 @@ class CalibrationTest(unittest.TestCase):
 
     def test_probabilities_are_scaled_by_accepted_over_predicted(self):
         tree = _tree()
-        raw = self._policy().node_probabilities(tree)
-        self.assertEqual(self._policy().calibration, 1.0)
+        raw = self._policy().acceptance.node_probabilities(tree)
+        self.assertEqual(self._policy().acceptance.calibration, 1.0)
         doubtful = self._policy(predicted=9.0, realized=2.0)
-        self.assertAlmostEqual(doubtful.calibration, 3.0 / 10.0)
-        for scaled, unscaled in zip(doubtful.node_probabilities(tree), raw):
+        self.assertAlmostEqual(doubtful.acceptance.calibration, 3.0 / 10.0)
+        for scaled, unscaled in zip(doubtful.acceptance.node_probabilities(tree), raw):
             self.assertAlmostEqual(scaled, 0.3 * unscaled)
         confident = self._policy(predicted=1.0, realized=19.0)
-        self.assertEqual(confident.calibration, 10.0)
-        self.assertEqual(max(confident.node_probabilities(tree)), 1.0, "a probability never exceeds 1")
+        self.assertEqual(confident.acceptance.calibration, 10.0)
+        self.assertEqual(max(confident.acceptance.node_probabilities(tree)), 1.0, "a probability never exceeds 1")
         # The same tree, the same per-depth estimates: fewer nodes when verified nodes used to miss.
         self.assertLess(len(_plan(doubtful, tree, False).tree), len(_plan(self._policy(), tree, False).tree))
         self.assertEqual(len(_plan(doubtful, tree, False).tree), 0)
@@ -188,7 +188,7 @@ class CalibrationTest(unittest.TestCase):
     def test_verified_steps_update_the_sums(self):
         policy = AdaptiveStepPolicy(StepPricing(FLAT), window_length=8, levels=2)
         tree = _tree()
-        raw = policy.node_probabilities(tree)
+        raw = policy.acceptance.node_probabilities(tree)
         choice = _plan(policy, tree, False)
         self.assertEqual(len(choice.tree), len(tree), "a flat cost verifies every node")
         self.assertAlmostEqual(choice.predicted, sum(raw), msg="the plan carries the probability it was chosen with")
@@ -213,7 +213,7 @@ class CalibrationTest(unittest.TestCase):
             # The mechanism alone: the verdict credits no verified node, while the accepted token is one the pool
             # offered, so the per-depth estimate keeps rising and only the calibration sees the misses.
             policy.observe(choice, Verdict([4], [], [], []), NGramPool(2, 3), 0)
-        self.assertGreater(policy.match_rate[1], 0.9)
+        self.assertGreater(policy.acceptance.match_rate[1], 0.9)
         self.assertLess(len(steps_with_nodes), 100, "misses lower the calibration: most steps verify nothing")
         self.assertGreater(steps_with_nodes[-1], 150, "and verification is tried again as the sums decay")
 

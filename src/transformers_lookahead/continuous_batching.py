@@ -142,19 +142,16 @@ class LookaheadBatching:
         )
         # Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
         self.layout = RowLayout(self.factory.window_size, config.levels, torch.device("cpu"))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every request and step (the engine's processor starts afresh)."""
         self.requests: dict[str, SequenceLookahead] = {}
         self.steps: dict[str, SequenceStep] = {}
         self.logits: torch.Tensor | None = None
         self.choices: list[int] = []
         self.logits_rows: dict[str, tuple[int, int]] = {}
         self.moves: list[tuple[str, int, int, int, list[int]]] = []
-
-    def reset(self) -> None:
-        self.requests.clear()
-        self.steps.clear()
-        self.moves.clear()
-        self.logits = None
-        self.choices = []
 
     # Planning, before the scheduler.
 

@@ -162,24 +162,40 @@ def generate(
     return decoder.run(input_ids, model_kwargs, lookahead_streamer)
 
 
-class SequenceText:
+class SequenceState(SequenceLookahead):
     """
-    One sequence's text, as gpt-fast keeps it: a buffer on the model's device, preallocated for the longest text
-    and holding the row's left padding, and the length in use (`input_ids`, a view, is what processors, stopping
-    criteria and the output read). `tokens` mirrors the text past the padding as host integers, for the host-side
-    parts; `append` and `truncate` change both.
+    One sequence of the batch: its lookahead (`SequenceLookahead`), its text as gpt-fast keeps it, and what
+    `generate` returns of it. The text is a buffer on the model's device, preallocated for the longest text and
+    holding the row's left padding (`input_ids`, a view of the length in use, is what processors, stopping criteria
+    and the output read); `tokens` mirrors it past the padding as host integers; `append` and `truncate` change both.
+    `length` and `limit` count the padding.
 
     Args:
-        row (`torch.LongTensor` of shape `(1, length)`): the sequence as plain `generate` holds it (padding included).
-        tokens (`list[int]`): the same sequence without its padding.
-        capacity (`int`): the longest the sequence may grow (`max_length`).
+        index (`int`): the sequence's row in the batch `generate` was called with.
+        row (`torch.LongTensor` of shape `(1, length)`): the prompt as plain `generate` holds it (`padding` included).
+        padding (`int`): the row's left padding.
+        tokens (`list[int]`): the text past the padding: the prompt, then its first token where it fits.
+        limit (`int`): the length the sequence may not exceed (`max_length`).
+        lookahead: its factory and verifier, as `SequenceLookahead` takes them.
     """
 
-    def __init__(self, row: torch.LongTensor, tokens: list[int], capacity: int):
-        self.buffer = row.new_empty((1, max(capacity, row.shape[1])))
+    def __init__(
+        self, index: int, row: torch.LongTensor, padding: int, tokens: list[int], limit: int, *lookahead: Any
+    ):
+        self.padding = padding
+        self.buffer = row.new_empty((1, max(limit, row.shape[1])))
         self.buffer[:, : row.shape[1]] = row
-        self.length = row.shape[1]
-        self.tokens = tokens
+        self.buffer[0, row.shape[1] : padding + len(tokens)] = row.new_tensor(tokens[row.shape[1] - padding :])
+        super().__init__(tokens, limit, *lookahead)
+        self.index = index
+        self.stopped_at: int | None = None
+        self.done = False
+        self.scores: list[torch.Tensor] = []
+        self.raw_logits: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return self.padding + len(self.tokens)
 
     @property
     def input_ids(self) -> torch.LongTensor:
@@ -188,47 +204,11 @@ class SequenceText:
 
     def append(self, token: int) -> None:
         self.buffer[0, self.length] = token
-        self.length += 1
         self.tokens.append(token)
 
     def truncate(self, length: int) -> None:
         """Cuts the sequence to `length` tokens (padding included)."""
-        if length < self.length:
-            del self.tokens[len(self.tokens) - (self.length - length) :]
-            self.length = length
-
-
-class SequenceState(SequenceLookahead):
-    """
-    One sequence of the batch: its lookahead (`SequenceLookahead`), its text with the row's padding, and what
-    `generate` returns of it. `length` and `limit` count the padding.
-
-    Args:
-        index (`int`): the sequence's row in the batch `generate` was called with.
-        text (`SequenceText`): its text.
-        limit (`int`): the length the sequence may not exceed.
-        lookahead: its factory and verifier, as `SequenceLookahead` takes them.
-    """
-
-    def __init__(self, index: int, text: SequenceText, limit: int, *lookahead: Any):
-        super().__init__(text.tokens, limit, *lookahead)
-        self.index = index
-        self.text = text
-        self.stopped_at: int | None = None
-        self.done = False
-        self.scores: list[torch.Tensor] = []
-        self.raw_logits: list[torch.Tensor] = []
-
-    @property
-    def length(self) -> int:
-        return self.text.length
-
-    @property
-    def input_ids(self) -> torch.LongTensor:
-        return self.text.input_ids
-
-    def append(self, token: int) -> None:
-        self.text.append(token)
+        del self.tokens[max(0, length - self.padding) :]
 
 
 class TokenStoppingCriteria:
@@ -306,7 +286,7 @@ class StopTracker:
             stops = None if self.token_stops is None else self.token_stops(sequence.length, sequence.tokens[-1])
             if stops is None:
                 scores = tuple(sequence.scores) if self.keep_scores else None
-                stops = bool(self.stopping_criteria(sequence.text.input_ids, scores).any())
+                stops = bool(self.stopping_criteria(sequence.input_ids, scores).any())
             if stops:
                 sequence.stopped_at = sequence.length
                 return self.has_eos
@@ -327,7 +307,7 @@ class StopTracker:
         for sequence in sequences:
             sequence.limit = min(sequence.limit, final_length)
             if sequence.length >= final_length:
-                sequence.text.truncate(final_length)
+                sequence.truncate(final_length)
                 sequence.done = True
 
 
@@ -552,12 +532,11 @@ class LookaheadDecoder:
             row = input_ids[index : index + 1]
             tokens = row[0].tolist() if slots.valid is None else row[0, slots.valid[index]].tolist()
             padding = row.shape[1] - len(tokens)
-            text = SequenceText(row, tokens, limit)
-            appended = text.length < limit
+            appended = row.shape[1] < limit
             if appended:
-                text.append(first_tokens[index])
+                tokens.append(first_tokens[index])
             # Built from the prompt and its first token, as every later step sees the text.
-            sequence = SequenceState(index, text, limit, self.factory, verifiers[index])
+            sequence = SequenceState(index, row, padding, tokens, limit, self.factory, verifiers[index])
             sequence.position_offset = padding if self.position_shift is None else self.position_shift
             if appended:
                 self.stops.record(sequence, first[index : index + 1], first_scores[index : index + 1])
@@ -668,15 +647,10 @@ class LookaheadDecoder:
         )
 
     def _output_ids(self, sequences: list[SequenceState]) -> torch.LongTensor:
-        if len(sequences) == 1:
-            return sequences[0].text.input_ids
-        length = max(sequence.length for sequence in sequences)
-        pad_id = pad_token_id(self.generation_config)
-        rows = [
-            torch.nn.functional.pad(sequence.text.input_ids, (0, length - sequence.length), value=pad_id or 0)
-            for sequence in sequences
-        ]
-        return torch.cat(rows, dim=0)
+        """The texts, shorter ones padded at the end as plain `generate` pads finished rows."""
+        rows = [sequence.input_ids[0] for sequence in sequences]
+        padding = pad_token_id(self.generation_config) or 0
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=padding)
 
     @staticmethod
     def _per_token(sequences: list[SequenceState], name: str) -> tuple[torch.Tensor, ...]:

@@ -86,7 +86,14 @@ class SequenceLookahead:
         self.tokens = tokens
         self.limit = limit
         self.factory = factory
-        self.pool, self.window, self.policy, self.context = factory.parts(tokens)
+        config = factory.config
+        self.pool = NGramPool(config.levels, config.guess)
+        if config.pool_from_prompt:
+            self.pool.add_sequence(tokens)
+        self.window = LookaheadWindow(factory.window_size, config.levels, tokens)
+        self.policy = factory.policy()
+        # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
+        self.context = ContextIndex() if config.adaptive and config.pool_from_prompt else None
         self.verifier = verifier
         # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
         self.pending = tokens[-1:]
@@ -118,8 +125,22 @@ class SequenceLookahead:
         self.tokens.append(token)
 
     def offer(self, chain: int | None = None) -> StepOffer:
-        """Its candidates for the next step from the loop's sources, priced (`offer_candidates`)."""
-        return offer_candidates(self, self.factory.sources, self.factory.max_positions, chain)
+        """
+        Its candidates for the next step, every source's proposals (`LookaheadFactory.sources`) merged into one tree
+        within the room the sequence and the model's positions leave, priced by its policy (with whether its window
+        fits the model's positions). `chain`: a chain step (`ChainLayout`) of at most `chain` tokens, the pending ones
+        included: one candidate path (`TokenTree.chain`), no window.
+        """
+        max_positions = self.factory.max_positions
+        position_room = (max_positions - 1 - self.position) if max_positions else self.limit
+        room = min(self.limit - self.length - 1, position_room)
+        tree = TokenTree()
+        for source in self.factory.sources:
+            source.propose(self, tree, min(source.depth, room))
+        window_allowed = position_room >= self.window.levels + self.window.window - 1
+        if chain is not None:
+            tree, window_allowed = tree.subtree(tree.chain()[: max(0, chain - len(self.pending))]), False
+        return self.policy.offer(tree, window_allowed, len(self.pending))
 
     def plan(
         self, offer: StepOffer, layout: StepLayout, budget: int | None = None, room: int | None = None
@@ -195,7 +216,7 @@ class SequenceLookahead:
 class CandidateSource(ABC):
     """
     Where a step's candidates come from: each source proposes continuations of a sequence's last token, and
-    `offer_candidates` merges every source's proposals into the step's one `TokenTree`. A new source is a subclass
+    `SequenceLookahead.offer` merges every source's proposals into the step's one `TokenTree`. A new source is a subclass
     and one entry in `candidate_sources`.
 
     Args:
@@ -314,36 +335,28 @@ class LookaheadFactory:
         self._carried: dict[tuple, PolicyEstimates | None] = {}
         self._pricing_started = False
 
-    def parts(self, tokens: list[int]) -> tuple[NGramPool, LookaheadWindow, StepPolicy, ContextIndex | None]:
-        """The pool, window, policy and context index of a sequence whose text is `tokens` (its prompt and first token)."""
+    def policy(self) -> StepPolicy:
+        """A new sequence's step policy: for `"auto"`, starting from what the last call of its kind left."""
         config = self.config
-        pool = NGramPool(config.levels, config.guess)
-        if config.pool_from_prompt:
-            pool.add_sequence(tokens)
-        window = LookaheadWindow(self.window_size, config.levels, tokens)
-        context = None
-        if config.adaptive:
-            policy = AdaptiveStepPolicy(
-                self.pricing,
-                self.window_size * config.levels,
-                config.levels,
-                context_depth=self.tuning.context_depth,
-                memory_match=self.memory.max_match if self.memory is not None else 0,
-                memory_depth=self.tuning.memory_depth,
-                tuning=self.tuning,
-            )
-            learnt = self.recall(self.estimates_key(policy))
-            if learnt is not None:
-                policy.start_from(learnt)
-                if not self._pricing_started:
-                    # Shared by the loop's sequences, and learning from its steps once they run.
-                    self.pricing.start_from(learnt.excess_scale, learnt.underpricing)
-            self._pricing_started = True
-            # The adaptive policy also verifies the continuation of the longest repeated suffix of the text.
-            context = ContextIndex() if config.pool_from_prompt else None
-        else:
-            policy = StaticStepPolicy(self.window_size * config.levels)
-        return pool, window, policy, context
+        if not config.adaptive:
+            return StaticStepPolicy(self.window_size * config.levels)
+        policy = AdaptiveStepPolicy(
+            self.pricing,
+            self.window_size * config.levels,
+            config.levels,
+            context_depth=self.tuning.context_depth,
+            memory_match=self.memory.max_match if self.memory is not None else 0,
+            memory_depth=self.tuning.memory_depth,
+            tuning=self.tuning,
+        )
+        learnt = self.recall(self.estimates_key(policy))
+        if learnt is not None:
+            policy.start_from(learnt)
+            if not self._pricing_started:
+                # Shared by the loop's sequences, and learning from its steps once they run.
+                self.pricing.start_from(learnt.excess_scale, learnt.underpricing)
+        self._pricing_started = True
+        return policy
 
     def verifiers(self, processors: list[LogitsProcessorList]) -> list[GreedyVerifier]:
         """
@@ -401,28 +414,3 @@ class LookaheadFactory:
             )
         if self.memory is not None:
             self.state.add_to_memory(self.config.memory_namespace, [sequence.tokens for sequence in sequences])
-
-
-def offer_candidates(
-    sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None, chain: int | None = None
-) -> StepOffer:
-    """
-    A sequence's candidates for its next step, every source's proposals merged into one tree, priced by its policy
-    (with whether its window fits the model's positions).
-
-    Args:
-        sequence (`SequenceLookahead`): the sequence.
-        sources (`list[CandidateSource]`): where candidates come from (`candidate_sources`).
-        max_positions (`int`, *optional*): the positions the model embeds, if it says.
-        chain (`int`, *optional*): offer a chain step (`ChainLayout`) of at most `chain` tokens, the pending ones
-            included: one candidate path (`TokenTree.chain`), no window.
-    """
-    position_room = (max_positions - 1 - sequence.position) if max_positions else sequence.limit
-    room = min(sequence.limit - sequence.length - 1, position_room)
-    tree = TokenTree()
-    for source in sources:
-        source.propose(sequence, tree, min(source.depth, room))
-    window_allowed = position_room >= sequence.window.levels + sequence.window.window - 1
-    if chain is not None:
-        tree, window_allowed = tree.subtree(tree.chain()[: max(0, chain - len(sequence.pending))]), False
-    return sequence.policy.offer(tree, window_allowed, len(sequence.pending))
