@@ -10,7 +10,7 @@ from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.step_forward import cache_argument
 from transformers_lookahead.step_layout import AttentionGroup, StepLayout, attention_groups, layer_types
 from utils.faithfulness import greedy_margins, off_greedy_positions
-from utils.private_apis import compile_config as compile_everywhere
+from utils.transformers_compatibility import compile_config as compile_everywhere
 
 from .utils import flat_state, random_prompt, tiny_model
 

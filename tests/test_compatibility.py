@@ -45,7 +45,7 @@ from transformers_lookahead.compatibility import (
 )
 from transformers_lookahead.configuration_lookahead import LookaheadConfig
 from transformers_lookahead.continuous_batching import LookaheadBatching, LookaheadBatchProcessor
-from transformers_lookahead.engine_hooks import (
+from transformers_lookahead.engine_compatibility import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
     ModelRunnerHooks,

@@ -29,7 +29,7 @@ from transformers_lookahead.continuous_batching import (
 )
 from transformers_lookahead.cost_model import StepCostModel, padded_step_cost, padded_table
 from utils.distribution_check import homogeneity_p_value
-from utils.private_apis import set_attention_implementation_unchecked
+from utils.transformers_compatibility import set_attention_implementation_unchecked
 
 from .test_verification import P_VALUE
 from .utils import SMALL_VOCABULARY, flat_state, random_prompt, small_vocabulary_model, tiny_model

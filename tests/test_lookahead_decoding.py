@@ -13,7 +13,7 @@ from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.cost_model import COST_GRID, StepCostModel
 from transformers_lookahead.lookahead_decoding import TokenStoppingCriteria, compiled_buckets
 from transformers_lookahead.step_policy import AdaptiveStepPolicy, PolicyEstimates
-from utils.private_apis import compile_config, set_attention_implementation_unchecked
+from utils.transformers_compatibility import compile_config, set_attention_implementation_unchecked
 
 from .test_step_check import FailsOnSteps, IgnoresCustomMasks, IgnoresPositionIds, tiny
 from .utils import (

@@ -15,7 +15,7 @@ from parameterized import parameterized
 
 from transformers_lookahead import enable_lookahead
 from utils.faithfulness import greedy_margins, off_greedy_positions
-from utils.private_apis import model_from_config, set_attention_implementation_unchecked
+from utils.transformers_compatibility import model_from_config, set_attention_implementation_unchecked
 
 from .utils import TINY_CONFIGS, flat_state, random_prompt, tiny_model
 

@@ -24,7 +24,12 @@ TRANSFORMERS_REACHED = (
     "modeling_utils.py",
     "integrations/sdpa_attention.py",
 )
-PRIVATE_API_FILES = {"compatibility.py", "engine_hooks.py", "private_apis.py", "test_compatibility.py"}
+PRIVATE_API_FILES = {
+    "compatibility.py",
+    "engine_compatibility.py",
+    "transformers_compatibility.py",
+    "test_compatibility.py",
+}
 # Everything `generate` needs, and only that.
 STRATEGY_MODULES = {
     "__init__",
@@ -35,7 +40,7 @@ STRATEGY_MODULES = {
     "continuous_batching",
     "cost_measurement",
     "cost_model",
-    "engine_hooks",
+    "engine_compatibility",
     "generation_mixin",
     "grouped_attention",
     "hub_generate",

@@ -53,9 +53,9 @@ from transformers_lookahead import LookaheadState, enable_lookahead  # noqa: E40
 from transformers_lookahead.cost_measurement import measure_step_costs  # noqa: E402
 from utils.faithfulness import greedy_margins, off_greedy_positions  # noqa: E402
 from utils.methods import METHODS  # noqa: E402
-from utils.private_apis import compile_config  # noqa: E402
 from utils.timing import ForwardTimer, provenance  # noqa: E402
 from utils.tiny_models import random_prompt, tiny_model  # noqa: E402
+from utils.transformers_compatibility import compile_config  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
 NEW_TOKENS = 48

@@ -5,7 +5,7 @@ that run it. A tool picks its methods by name (`methods`), under these names in 
 
 from __future__ import annotations
 
-from utils.private_apis import compile_config
+from utils.transformers_compatibility import compile_config
 
 # A static cache sized once for every prompt, so that compiled forwards keep one cache shape across calls.
 STATIC_CACHE = {"cache_implementation": "static", "max_cache_len": 1024}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from utils.private_apis import model_from_config
+from utils.transformers_compatibility import model_from_config
 
 VOCAB = 96
 # A large init spread makes tiny random models produce varied text; the default 0.02 repeats one token and hides

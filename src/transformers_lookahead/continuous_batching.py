@@ -39,7 +39,7 @@ from .compatibility import attention_implementation
 from .configuration_lookahead import LookaheadConfig
 from .cost_measurement import model_key
 from .cost_model import EngineStepCost, StepCostModel, padded_step_cost, padded_table
-from .engine_hooks import (
+from .engine_compatibility import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
     ManagerHooks,
