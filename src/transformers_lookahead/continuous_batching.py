@@ -288,14 +288,8 @@ class LookaheadBatching:
             verdict = verifier.verify(logits, TokenTree(), 1, input_ids, remaining, choices)
             tokens.append(verdict.tokens[0])
             stop(verdict.tokens[0], verdict.logits[0], verdict.scores[0])
-            lookahead = self.requests[request_id] = SequenceLookahead(
-                tokens,
-                len(tokens) - 1 + remaining,
-                *(
-                    self.factory,
-                    verifier,
-                ),
-            )
+            limit = len(tokens) - 1 + remaining
+            lookahead = self.requests[request_id] = SequenceLookahead(tokens, limit, self.factory, verifier)
         else:
             verified = step is not None and step.row.length > 1
             verdict = lookahead.verify(step if verified else None, logits, choices)
