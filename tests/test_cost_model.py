@@ -1,6 +1,6 @@
 import unittest
 
-from transformers_lookahead.cost_model import EngineStepCost, StepCostModel, StepPricing
+from transformers_lookahead.cost_model import EngineStepCost, StepCostModel, StepPricing, padded_length
 
 FLAT = StepCostModel({1: 1.0, 64: 1.0})
 STEEP = StepCostModel({1: 1.0, 2: 1.5, 8: 2.0, 64: 8.0})
@@ -184,3 +184,11 @@ class EngineStepCostTest(unittest.TestCase):
     def test_refuses_an_impossible_window(self):
         with self.assertRaisesRegex(ValueError, "steps_needed"):
             EngineStepCost(FLAT, steps_kept=8, steps_needed=16)
+
+
+class PaddedLengthTest(unittest.TestCase):
+    def test_compiled_buckets_and_engine_intervals_pad_alike(self):
+        # `generate`'s compiled buckets: the shortest that holds the step; past the longest, the longest.
+        self.assertEqual([padded_length(length, (8, 16, 32)) for length in (2, 8, 9, 32, 40)], [8, 8, 16, 32, 32])
+        # An engine's padding interval: its next multiple.
+        self.assertEqual([padded_length(length, 64) for length in (1, 64, 65, 130)], [64, 64, 128, 192])

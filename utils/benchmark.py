@@ -432,15 +432,19 @@ def workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default="bench_out")
 
 
+def methods_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
+    )
+
+
 def generate_arguments(parser: argparse.ArgumentParser) -> None:
+    methods_argument(parser)
     parser.add_argument(
         "--full",
         action="store_true",
         help="the full run (16 + 16 prompts, every method, 3 repeats, window sweep: about an hour on 2 cores) "
         "instead of the quick one (5 + 5 prompts, greedy / prompt lookup / auto, 2 repeats: about 10 minutes)",
-    )
-    parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
     )
     parser.add_argument(
         "--reference-fp32",
@@ -456,12 +460,6 @@ def generate_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive(int),
         default=None,
         help="put each prompt after an earlier turn of other tuning prompts' text, about this many tokens in all",
-    )
-
-
-def whisper_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), default=None, help=f"quick {QUICK_METHODS}, full {FULL_METHODS}"
     )
 
 
@@ -578,7 +576,7 @@ BENCHMARKS = {
         side_by_side, "greedy, prompt lookup and lookahead side by side (interleaved per prompt)", generate_arguments
     ),
     "whisper": Benchmark(
-        side_by_side, "the same with Whisper tiny.en on MT-Bench questions read by espeak-ng", whisper_arguments
+        side_by_side, "the same with Whisper tiny.en on MT-Bench questions read by espeak-ng", methods_argument
     ),
     "cost-curve": Benchmark(cost_curve, "forward time against step length on this device"),
     "sampling": Benchmark(sampling, "plain against lookahead sampling, with a distribution check", sampling_arguments),

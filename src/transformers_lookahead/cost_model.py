@@ -221,6 +221,17 @@ def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     return coefficients
 
 
+def padded_length(length: int, buckets: tuple[int, ...] | int) -> int:
+    """
+    The length a fixed-shape forward pass runs `length` tokens as, in either loop: the shortest of `generate`'s
+    compiled `buckets` that holds them (the longest where none does), or the next multiple of an engine's padding
+    interval.
+    """
+    if isinstance(buckets, int):
+        return -(-length // buckets) * buckets
+    return next((bucket for bucket in buckets if bucket >= length), buckets[-1])
+
+
 def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval: int) -> Callable[[int], float]:
     """
     The cost of a step of T tokens for each of `requests` requests in an engine that pads a step's query tokens to a
@@ -228,8 +239,7 @@ def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval:
     """
 
     def cost(length: int) -> float:
-        padded = -(-requests * length // interval) * interval
-        return step_cost(max(length, padded // requests))
+        return step_cost(max(length, padded_length(requests * length, interval) // requests))
 
     return cost
 

@@ -15,7 +15,7 @@ from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cache_commit import CacheCommitter
 from .compatibility import can_auto_compile, pad_token_id, prefill
 from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, validate_lookahead_setup
-from .cost_model import COST_GRID, StepCostModel
+from .cost_model import COST_GRID, StepCostModel, padded_length
 from .lookahead_state import LookaheadState
 from .rank_sync import RankSync
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep
@@ -611,7 +611,7 @@ class LookaheadDecoder:
         if length == 1:
             return None
         # Planning keeps steps within the buckets; a longer one fails in the layout rather than compiling anew.
-        return next((bucket for bucket in self.buckets if bucket >= length), self.buckets[-1])
+        return padded_length(length, self.buckets)
 
     def _outputs(
         self, sequences: list[SequenceState], forward_passes: int, slots: SlotMap
