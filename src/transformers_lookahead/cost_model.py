@@ -223,9 +223,8 @@ def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
 
 def padded_length(length: int, buckets: tuple[int, ...] | int) -> int:
     """
-    The length a fixed-shape forward pass runs `length` tokens as, in either loop: the shortest of `generate`'s
-    compiled `buckets` that holds them (the longest where none does), or the next multiple of an engine's padding
-    interval.
+    The length a fixed-shape pass runs `length` tokens as: the shortest of `generate`'s compiled `buckets` holding
+    them (the longest if none does), or the next multiple of a continuous-batching engine's padding interval.
     """
     if isinstance(buckets, int):
         return -(-length // buckets) * buckets

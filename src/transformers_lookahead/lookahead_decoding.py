@@ -147,8 +147,7 @@ def generate(
             "`num_return_sequences`). With lookahead the rows advance by different numbers of tokens per step, so "
             "there is no per-step token column to stream: generate the rows one at a time to stream them."
         )
-    if lookahead_state is None:
-        lookahead_state = getattr(model, "lookahead_state", None) or LookaheadState()
+    lookahead_state = lookahead_state or getattr(model, "lookahead_state", None) or LookaheadState()
     decoder = LookaheadDecoder(
         model,
         config,
@@ -199,7 +198,6 @@ class SequenceState(SequenceLookahead):
 
     @property
     def input_ids(self) -> torch.LongTensor:
-        """The sequence so far, shape `(1, length)`: a view of the buffer."""
         return self.buffer[:, : self.length]
 
     def append(self, token: int) -> None:
