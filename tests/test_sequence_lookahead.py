@@ -114,6 +114,7 @@ class LookaheadFactoryTest(unittest.TestCase):
         factory = LookaheadFactory(tiny_model("llama"), config, state, do_sample=False, cost=FLAT)
         sequence = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
         self.assertIsNone(state.recall(factory.estimates_key(sequence.policy)))
+        self.assertIsNone(factory.memory.match(TEXT[:4], 4), "an empty memory matches nothing")
         factory.finish([sequence])
         self.assertEqual(state.recall(factory.estimates_key(sequence.policy)), factory.estimates([sequence.policy]))
         self.assertIsNotNone(factory.memory.match(TEXT[:4], 4), "the text joined the suffix memory")
