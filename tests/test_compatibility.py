@@ -36,22 +36,16 @@ from transformers.generation.continuous_batching.requests import RequestState, R
 from transformers.generation.continuous_batching.scheduler import Scheduler
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from transformers_lookahead.compatibility import (
-    GROUPED_SDPA,
-    ROLLBACK_LAYERS,
-    attention_implementation,
-    grouped_sdpa_for,
-    pad_token_id,
-)
+from transformers_lookahead.compatibility import ROLLBACK_LAYERS, pad_token_id
 from transformers_lookahead.configuration_lookahead import LookaheadConfig
 from transformers_lookahead.continuous_batching import LookaheadBatching, LookaheadBatchProcessor
 from transformers_lookahead.engine_compatibility import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
     ModelRunnerHooks,
-    become,
     move_accepted_entries,
     release_pages_past,
+    taken_over,
 )
 from transformers_lookahead.lookahead_state import LookaheadState
 from utils.tiny_models import tiny_model
@@ -390,7 +384,7 @@ def _check_step_function() -> list[str]:
     """
     compiled = CompileConfig(backend="eager", mode="default", fullgraph=False, dynamic=False)
     model, manager, processor = _probe_engine(varlen_compile_config=compiled, q_padding_interval_size=16)
-    runner = become(processor.model_runner, _RecordingRunner)
+    runner = processor.model_runner = taken_over(processor.model_runner, _RecordingRunner)
     runner.lengths = []
     runner.compile_step_function()
     request_id = manager.add_request([5, 6, 7])
@@ -547,25 +541,16 @@ class ContinuousBatchingCheckTest(unittest.TestCase):
         self.assertIn("_kv_token_views", problems[0])
 
 
-class BecomeTest(unittest.TestCase):
-    def test_takes_over_an_instance_of_the_transformers_class_only(self):
+class TakenOverTest(unittest.TestCase):
+    def test_takes_over_the_state_of_an_instance_of_the_transformers_class_only(self):
         class Hooks(BatchProcessorHooks):
             pass
 
         stock = object.__new__(ContinuousBatchProcessor)
-        self.assertIs(become(stock, Hooks), stock)
-        self.assertIsInstance(stock, Hooks)
+        stock.scheduler = "the scheduler"
+        adopted = taken_over(stock, Hooks)
+        self.assertIsInstance(adopted, Hooks)
+        self.assertIs(type(stock), ContinuousBatchProcessor, "the stock object keeps its class")
+        self.assertEqual(adopted.scheduler, "the scheduler")
         with self.assertRaisesRegex(TypeError, "extends ContinuousBatchProcessor"):
-            become(object.__new__(ContinuousBatchingManager), Hooks)
-
-
-class GroupedSdpaNameTest(unittest.TestCase):
-    def test_a_pass_names_the_grouped_sdpa_and_sdpa_is_back_after_it(self):
-        model = tiny_model("llama")
-        with grouped_sdpa_for(model.config):
-            self.assertEqual(model.config._attn_implementation, GROUPED_SDPA)
-            self.assertEqual(attention_implementation(model), "sdpa", "read as the sdpa it computes")
-            # Another thread's pass on the same model began and ends inside this one: sdpa is back, never the name.
-            with grouped_sdpa_for(model.config):
-                pass
-        self.assertEqual(model.config._attn_implementation, "sdpa")
+            taken_over(object.__new__(ContinuousBatchingManager), Hooks)

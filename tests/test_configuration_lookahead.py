@@ -86,7 +86,8 @@ class LookaheadConfigTest(unittest.TestCase):
 
     def test_memory_defaults(self):
         auto = LookaheadConfig.from_sources({"lookahead_window": "auto"})
-        self.assertEqual((auto.memory, auto.memory_size, auto.memory_namespace), (True, 65536, "default"))
+        self.assertEqual((auto.memory, auto.memory_size, auto.memory_namespace), (False, 65536, "default"))
+        self.assertTrue(LookaheadConfig.from_sources({"lookahead_window": "auto", "lookahead_memory": True}).memory)
         self.assertFalse(LookaheadConfig.from_sources({"lookahead_window": 4}).memory)
         self.assertFalse(LookaheadConfig.from_sources({"lookahead_window": "auto", "lookahead_memory": False}).memory)
 
@@ -106,7 +107,10 @@ class LookaheadConfigTest(unittest.TestCase):
         config = LookaheadConfig.from_sources(loaded)
         self.assertEqual((config.window, config.ngram, config.guess, config.pool_from_prompt), (7, 4, 6, False))
         memory_config = GenerationConfig(
-            lookahead_window="auto", lookahead_memory_size=1000, lookahead_memory_namespace="tenant-a"
+            lookahead_window="auto",
+            lookahead_memory=True,
+            lookahead_memory_size=1000,
+            lookahead_memory_namespace="tenant-a",
         )
         with tempfile.TemporaryDirectory() as tmp:
             memory_config.save_pretrained(tmp)

@@ -32,7 +32,7 @@ from utils.distribution_check import homogeneity_p_value
 from utils.transformers_compatibility import set_attention_implementation_unchecked
 
 from .test_verification import P_VALUE
-from .utils import SMALL_VOCABULARY, flat_state, random_prompt, small_vocabulary_model, tiny_model
+from .utils import SMALL_VOCABULARY, checked, flat_state, random_prompt, small_vocabulary_model, tiny_model
 
 LENGTHS = [3, 5, 9, 13, 20, 7]
 SHAPES = [{"lookahead_window": 4, "lookahead_ngram": 3}, {"lookahead_window": "auto"}]
@@ -80,7 +80,8 @@ class _ForwardCounter:
 class ContinuousBatchingExactnessTest(unittest.TestCase):
     @parameterized.expand([("llama",), ("qwen2",)])
     def test_identical_to_plain_generate_batch_in_fewer_passes(self, name):
-        model = enable_lookahead(tiny_model(name, "sdpa"), flat_state())
+        # Checked first: the first lookahead call checks the model with passes of its own, not counted here.
+        model = checked(enable_lookahead(tiny_model(name, "sdpa"), flat_state()))
         counter = _ForwardCounter(model)
         self.addCleanup(counter.handle.remove)
         prompts = _prompts()
@@ -269,8 +270,8 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
             if row.length > 1:
                 time.sleep(verification)
 
-        model = enable_lookahead(
-            tiny_model("llama", "sdpa"), flat_state(engine_fit=True, step_observer=slow_verification)
+        model = checked(
+            enable_lookahead(tiny_model("llama", "sdpa"), flat_state(engine_fit=True, step_observer=slow_verification))
         )
         prompt = random_prompt(8, seed=7)[0].tolist()
         # The table says every step length costs one token: only the engine's own steps tell otherwise.
@@ -295,7 +296,7 @@ class ContinuousBatchingLoadTest(unittest.TestCase):
             self.assertLess(statistics.mean(learnt), 3)
 
     def test_a_new_engine_starts_from_the_last_engines_fit(self):
-        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state(engine_fit=True))
+        model = checked(enable_lookahead(tiny_model("llama", "sdpa"), flat_state(engine_fit=True)))
         prompt = random_prompt(8, seed=7)[0].tolist()
         needed = AUTO_TUNING.engine_steps_needed
         queries = []
@@ -362,7 +363,7 @@ class ContinuousBatchingCompiledTest(unittest.TestCase):
     def test_steps_are_padded_and_compiled_once(self):
         # Graphs another test compiled with another backend would run here uncounted.
         torch._dynamo.reset()
-        model = enable_lookahead(tiny_model("llama", "sdpa"), flat_state())
+        model = checked(enable_lookahead(tiny_model("llama", "sdpa"), flat_state()))
         backend = _CountingBackend()
         engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, **_compiled_engine(backend))
         queries = []
@@ -518,7 +519,7 @@ class PerRequestSettingsTest(unittest.TestCase):
 
     @parameterized.expand([("temperature", -1.0), ("top_k", 0), ("top_p", 1.5)])
     def test_refuses_a_bad_request_setting_before_it_runs(self, setting, value):
-        model = enable_lookahead(tiny_model("llama", "sdpa"))
+        model = checked(enable_lookahead(tiny_model("llama", "sdpa")))
         engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, per_request_processors=True)
         config = _config(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, lookahead_window=4)
         counter = _ForwardCounter(model)

@@ -1,4 +1,5 @@
 import tempfile
+import threading
 import unittest
 
 import torch
@@ -71,6 +72,58 @@ class EnableLookaheadTest(unittest.TestCase):
         out = mixed.generate(prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
         self.assertIsInstance(out, LookaheadDecoderOnlyOutput, "the class's lookahead fields are picked up")
         self.assertTrue(torch.equal(out.sequences, expected))
+
+    def test_enable_runs_no_forward_pass_and_the_first_call_checks_the_model(self):
+        model = tiny_model("llama")
+        passes = []
+        model.register_forward_hook(lambda *args: passes.append(1))
+        enable_lookahead(model)
+        self.assertEqual(passes, [], "enabling runs nothing")
+        self.assertIsNone(model.lookahead_state.step_check.chain_reason(model))
+        prompt = random_prompt(12, seed=4)
+        model.generate(prompt, max_new_tokens=4, do_sample=False)
+        self.assertEqual(len(passes), 4, "a call without lookahead runs plain decoding only")
+        passes.clear()
+        model.generate(prompt, max_new_tokens=4, do_sample=False, lookahead_window=3)
+        self.assertGreater(len(passes), 4, "the first lookahead call runs the step check's passes too")
+        passes.clear()
+        out = model.generate(
+            prompt, max_new_tokens=4, do_sample=False, lookahead_window=3, return_dict_in_generate=True
+        )
+        self.assertEqual(len(passes), out.num_forward_passes, "the verdict is remembered")
+
+    def test_a_plain_and_a_lookahead_thread_on_one_model_are_both_exact(self):
+        # Grouped key/value heads (4 heads, 2 KV heads): the attention a step runs is the model's own, and nothing
+        # of the model is written around a pass, so a plain call running meanwhile computes what it computes alone.
+        model = enable_lookahead(tiny_model("llama"))
+        prompts = [random_prompt(16 + 4 * seed, seed=seed) for seed in range(4)]
+        expected = [model.generate(prompt, max_new_tokens=24, do_sample=False) for prompt in prompts]
+        model.generate(prompts[0], max_new_tokens=4, do_sample=False, lookahead_window=4)
+        config_before = dict(vars(model.config))
+        # What every pass of either thread runs under, as the model's attention layers read it.
+        seen = set()
+        model.register_forward_pre_hook(lambda module, args: seen.add(module.config._attn_implementation))
+        results: dict[str, list[torch.Tensor]] = {"plain": [], "lookahead": []}
+
+        def decode(name: str, settings: dict) -> None:
+            for _ in range(3):
+                for prompt in prompts:
+                    results[name].append(model.generate(prompt, max_new_tokens=24, do_sample=False, **settings))
+
+        threads = [
+            threading.Thread(target=decode, args=("plain", {})),
+            threading.Thread(target=decode, args=("lookahead", {"lookahead_window": 4})),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        for name, outputs in results.items():
+            self.assertEqual(len(outputs), 3 * len(prompts), name)
+            for index, output in enumerate(outputs):
+                self.assertTrue(torch.equal(output, expected[index % len(prompts)]), f"{name}, call {index}")
+        self.assertEqual(seen, {"sdpa"}, "no pass runs under another attention name")
+        self.assertEqual(dict(vars(model.config)), config_before, "the model's config is as it was")
 
     def test_rejects_non_generative_objects(self):
         with self.assertRaisesRegex(TypeError, "generative `PreTrainedModel`"):

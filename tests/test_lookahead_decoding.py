@@ -20,6 +20,7 @@ from .utils import (
     EAGER_ONLY,
     TINY_CONFIGS,
     HostReadCounter,
+    checked,
     decoding_loop_default_device,
     flat_state,
     left_padded,
@@ -162,7 +163,8 @@ class ChainStepsTest(unittest.TestCase):
         self.assertGreater(max(accepted[1]), 1, "chain steps accept candidates")
 
     def test_a_chain_step_holds_one_candidate_and_no_window(self):
-        model = enable_lookahead(tiny(IgnoresPositionIds), flat_state())
+        # Checked first: the first lookahead call checks the model with passes of its own, not counted here.
+        model = checked(enable_lookahead(tiny(IgnoresPositionIds), flat_state()))
         lengths = []
         model.register_forward_pre_hook(
             lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
@@ -578,7 +580,8 @@ class HostTransfersTest(unittest.TestCase):
     )
     def test_one_read_per_step(self, _, settings, batch):
         state = LookaheadState(cost_dir=None, step_costs=StepCostModel(FLAT_COSTS), follow_durations=False)
-        model = enable_lookahead(tiny_model("llama"), state=state)
+        # Checked first: the first lookahead call checks the model with passes of its own, not counted here.
+        model = checked(enable_lookahead(tiny_model("llama"), state=state))
         prompts = [random_prompt(30 + 10 * row, seed=row) for row in range(batch)]
         inputs = left_padded(prompts) if batch > 1 else {"input_ids": prompts[0]}
         if settings.get("streamer"):

@@ -42,7 +42,6 @@ STRATEGY_MODULES = {
     "cost_model",
     "engine_compatibility",
     "generation_mixin",
-    "grouped_attention",
     "hub_generate",
     "lookahead_decoding",
     "lookahead_state",

@@ -124,7 +124,13 @@ class MemoryInGenerateTest(unittest.TestCase):
         self.prompt = random_prompt(24, seed=3)
 
     def _generate(self, prompt=None, **kwargs):
-        kwargs = {"max_new_tokens": 40, "do_sample": False, "lookahead_window": "auto", **kwargs}
+        kwargs = {
+            "max_new_tokens": 40,
+            "do_sample": False,
+            "lookahead_window": "auto",
+            "lookahead_memory": True,
+            **kwargs,
+        }
         return self.model.generate(self.prompt if prompt is None else prompt, return_dict_in_generate=True, **kwargs)
 
     def _longest_step(self, output) -> int:
@@ -236,7 +242,7 @@ class MemoryInGenerateTest(unittest.TestCase):
         def work(index: int):
             for _ in range(2):
                 output = self.model.generate(
-                    prompts[index], max_new_tokens=40, do_sample=False, lookahead_window="auto"
+                    prompts[index], max_new_tokens=40, do_sample=False, lookahead_window="auto", lookahead_memory=True
                 )
                 if not torch.equal(output, expected[index]):
                     failures.append(index)

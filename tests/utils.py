@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 import transformers
 
-from transformers_lookahead import LookaheadState
+from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING, AutoTuning
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.ngram_pool import NGramPool
@@ -264,3 +264,13 @@ class MeasurementCounter(logging.Handler):
 
     def __exit__(self, *exc_info) -> None:
         logging.getLogger(self.LOGGER).removeHandler(self)
+
+
+def checked(model):
+    """
+    `model` with lookahead enabled and already checked (`StepCheck`), as after its first lookahead call: a test that
+    counts a call's forward passes or times its steps then sees that call's own passes only.
+    """
+    model = enable_lookahead(model) if getattr(model, "lookahead_state", None) is None else model
+    model.lookahead_state.step_check.check(model)
+    return model

@@ -284,32 +284,6 @@ def _cost_curve_table(result: dict) -> list[str]:
     return _table(["tokens in the pass", *costs], [["cost vs one token", *(_f(v) for v in costs.values())]])
 
 
-def _operators_table(result: dict) -> list[str]:
-    rows = [
-        [
-            MODELS.get(r["model"], r["model"]),
-            str(r["prompt_tokens"]),
-            _f(r["greedy_operators"], 0),
-            f"{_f(r['lookahead_operators'], 0)} ({_f(r['lookahead_tokens'], 0)} tokens)",
-            _x(r["ratio"]),
-            ", ".join(f"`{name}` {count:+d}" for name, count in r["difference"].items()) or "none",
-        ]
-        for r in result["operators"]
-    ]
-    header = ["model", "prompt tokens", "one-token pass", "lookahead 7/5/7 pass", "ratio", "operators that differ"]
-    lines = _table(header, rows)
-    timed = [
-        [MODELS.get(r["model"], r["model"]), str(t["context"]), str(t["step_tokens"]), _f(t["repeated_ms"], 1)]
-        + [_f(t["grouped_ms"], 1), _x(t["repeated_ms"] / t["grouped_ms"])]
-        for r in result["operators"]
-        for t in r.get("pass_ms", [])
-    ]
-    if timed:
-        header = ["model", "cached tokens", "step tokens", "ms, heads repeated", "ms, heads grouped", "ratio"]
-        lines += ["", "One lookahead-shaped pass, median of interleaved passes:", "", *_table(header, timed)]
-    return lines
-
-
 def _priced_table(result: dict) -> list[str]:
     with_host = any("priced_speedup_with_host" in row for row in result["summary"])
     rows = [
@@ -481,14 +455,6 @@ KINDS = [
         "device's one-token pass time, `--pass-ms`).",
         lambda r: "tables" in r and "summary" in r,
         _priced_table,
-    ),
-    Kind(
-        "Operators per forward pass",
-        "Operators a decoding pass dispatches (`experiments/operator_count.py`, a `TorchDispatchMode` around `generate`, "
-        "the median decoding pass): plain greedy's one-token pass against a lookahead 7/5/7 pass, on the first "
-        "HumanEval tuning prompt. Counts do not depend on the machine's speed.",
-        lambda r: "operators" in r,
-        _operators_table,
     ),
     Kind(
         "Host time per step as the text grows",

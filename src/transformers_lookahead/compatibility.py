@@ -7,8 +7,7 @@ continuous-batching engine would call them directly. A release that changes one 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,31 +78,10 @@ def pad_token_id(generation_config: GenerationConfig) -> int | None:
     return None if pad is None else int(pad)
 
 
-# The name `grouped_attention` registers its sdpa under: Transformers' sdpa, computed without copies of grouped
-# key/value heads, which the package reads as "sdpa".
-GROUPED_SDPA = "lookahead_grouped_sdpa"
-
-
 def attention_implementation(model: PreTrainedModel | PretrainedConfig) -> str | None:
     """The attention backend a model (its config) or a (sub-)config names (`PretrainedConfig._attn_implementation`)."""
     config = model if isinstance(model, PretrainedConfig) else model.config
-    name = config._attn_implementation
-    return "sdpa" if name == GROUPED_SDPA else name
-
-
-@contextmanager
-def grouped_sdpa_for(config: PretrainedConfig) -> Iterator[None]:
-    """
-    Runs the block with `config` naming `GROUPED_SDPA` instead of `"sdpa"`, only `config` itself (the setter of
-    `_attn_implementation` would also overwrite every sub-config's own). `"sdpa"` is put back whatever the config
-    named when the block began: a pass of another thread on the same model may have named `GROUPED_SDPA` already,
-    and the model must not keep it. Passes of such a thread run either function, whose outputs are identical.
-    """
-    config._attn_implementation_internal = GROUPED_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = "sdpa"
+    return config._attn_implementation
 
 
 def layer_step_start(layer: CacheLayerMixin, step_length: int) -> int:

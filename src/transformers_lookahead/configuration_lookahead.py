@@ -73,8 +73,10 @@ class LookaheadConfig:
         memory (`bool`, *optional*):
             Whether the step also verifies continuations from the suffix memory: the prompts and outputs of earlier
             calls on the model (see `SuffixMemory`), and whether this call's sequences are added to it when it ends.
-            Defaults to True with `window="auto"`, whose policy verifies only what pays; a fixed window verifies
-            every candidate and cannot take the memory's variable tree (True is refused there).
+            Off by default on every route (in this process, a model folder, the Hub, servers): one model may answer
+            many users, and a shared memory would let one user's text shape another's candidates and timing. Only
+            with `window="auto"`, whose policy verifies only what pays; a fixed window verifies every candidate and
+            cannot take the memory's variable tree (True is refused there).
         memory_size (`int`):
             The most tokens the memory of `memory_namespace` keeps (>= 1); the oldest calls' sequences are evicted
             first. Each token costs 0.4-0.75 KiB of host memory (more for less repetitive text).
@@ -88,7 +90,7 @@ class LookaheadConfig:
     guess: int | str | None = None
     pool_from_prompt: bool = True
     cache_commit: str = "gather"
-    memory: bool | None = None
+    memory: bool = False
     memory_size: int = DEFAULT_MEMORY_SIZE
     memory_namespace: str = DEFAULT_MEMORY_NAMESPACE
 
@@ -111,8 +113,6 @@ class LookaheadConfig:
             raise ValueError(
                 f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {self.cache_commit!r}."
             )
-        if self.memory is None:
-            object.__setattr__(self, "memory", self.window == AUTO)
         if not isinstance(self.memory, bool):
             raise ValueError(f"`lookahead_memory` must be a bool (True or False), got {self.memory!r}.")
         if self.memory and self.window != AUTO:

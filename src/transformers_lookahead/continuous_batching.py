@@ -34,6 +34,7 @@ from transformers.generation.continuous_batching.requests import (
     RequestState,
     RequestStatus,
 )
+from transformers.utils import logging
 
 from .compatibility import attention_implementation
 from .configuration_lookahead import LookaheadConfig
@@ -44,11 +45,11 @@ from .engine_compatibility import (
     BatchProcessorHooks,
     ManagerHooks,
     ModelRunnerHooks,
-    become,
     kept_continuous_batching_manager,
     mark_kept_blocks,
     move_accepted_entries,
     release_pages_past,
+    taken_over,
 )
 from .lookahead_state import LookaheadState
 from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+logger = logging.get_logger(__name__)
 
 # The paged-attention backends that take an explicit mask (the flash ones build causal masks from sequence lengths).
 MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
@@ -337,7 +339,7 @@ class LookaheadModelRunner(ModelRunnerHooks):
 
     @classmethod
     def adopt(cls, runner: ModelRunnerHooks, model: PreTrainedModel, max_batch_tokens: int) -> LookaheadModelRunner:
-        runner = become(runner, cls)
+        runner = taken_over(runner, cls)
         head = model.get_output_embeddings()
         vocabulary = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
         runner.rows = torch.zeros(max_batch_tokens, dtype=torch.long, device=model.device)
@@ -379,7 +381,7 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
     def adopt(
         cls, processor: ContinuousBatchProcessor, model: PreTrainedModel, lookahead: LookaheadBatching
     ) -> LookaheadBatchProcessor:
-        processor = become(processor, cls)
+        processor = taken_over(processor, cls)
         processor.lookahead = lookahead
         runner = processor.model_runner
         if runner.pad_inputs:
@@ -455,9 +457,18 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
 class LookaheadContinuousBatchingManager(ManagerHooks):
     """Transformers' `ContinuousBatchingManager` whose batch processor is a `LookaheadBatchProcessor`."""
 
-    lookahead_config: LookaheadConfig
-    lookahead_state: LookaheadState
-    lookahead_cost: StepCostModel | None
+    def __init__(
+        self,
+        *args: Any,
+        lookahead_config: LookaheadConfig,
+        lookahead_state: LookaheadState,
+        lookahead_cost: StepCostModel | None,
+        **kwargs: Any,
+    ):
+        self.lookahead_config = lookahead_config
+        self.lookahead_state = lookahead_state
+        self.lookahead_cost = lookahead_cost
+        super().__init__(*args, **kwargs)
 
     def adopt_processor(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
         if isinstance(processor, LookaheadBatchProcessor):
@@ -528,14 +539,21 @@ def init_continuous_batching_with_lookahead(
         measuring.submit(state.step_check.refuse_if_failing, model).result()
         if config.adaptive:
             cost = measuring.submit(state.cost_model, model).result()
-    manager = stock(generation_config, cb_config, workload_hints)
-    # The stock constructor resolves the engine's settings and switches the attention backend; the lookahead
-    # manager differs only in the processor it builds.
-    manager = become(manager, LookaheadContinuousBatchingManager)
-    manager.lookahead_config = config
-    manager.lookahead_state = state
-    manager.lookahead_cost = cost
-    return manager
+    if generation.eos_token_id is None:
+        # What the stock method sets before building its manager (with a warning): no EOS stops a request.
+        logger.warning("`eos_token_id` not set in GenerationConfig. Setting to -1 (disabled).")
+        generation.eos_token_id = -1
+    # Built as the stock method builds its manager, which resolves the engine's settings and switches the attention
+    # backend; the lookahead manager differs only in the processor it builds.
+    return LookaheadContinuousBatchingManager(
+        model=model,
+        generation_config=generation,
+        continuous_batching_config=cb_config,
+        workload_hints=workload_hints,
+        lookahead_config=config,
+        lookahead_state=state,
+        lookahead_cost=cost,
+    )
 
 
 def _class_init_continuous_batching(model: PreTrainedModel) -> Any:

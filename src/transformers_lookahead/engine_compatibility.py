@@ -91,17 +91,19 @@ class ManagerHooks(ContinuousBatchingManager):
         return processor
 
 
-def become(instance: Any, cls: type) -> Any:
+def taken_over(instance: Any, cls: type) -> Any:
     """
-    Makes `instance`, built by Transformers, an instance of its subclass `cls`, which adds no state of its own to
-    what `__init__` set. Transformers builds the engine's manager and processor each in one method, with a dozen
-    collaborators; taking those objects over keeps every one of them as Transformers made it.
+    A new instance of `cls`, a subclass of the Transformers class `instance` was built as that adds no state of its
+    own to what `__init__` set, holding `instance`'s attributes; `instance` itself is left as it was, and the caller
+    uses the new one in its place. Transformers builds the engine's processor and model runner each inside one
+    method, with a dozen collaborators; taking those over keeps every one of them as Transformers made it.
     """
     base = next(klass for klass in cls.__mro__ if klass.__module__.startswith("transformers."))
     if not isinstance(instance, base):
         raise TypeError(f"{cls.__name__} extends {base.__name__}, not {type(instance).__name__}.")
-    instance.__class__ = cls
-    return instance
+    adopted = object.__new__(cls)
+    adopted.__dict__.update(vars(instance))
+    return adopted
 
 
 def kept_continuous_batching_manager(model: PreTrainedModel) -> Any | None:

@@ -183,8 +183,8 @@ def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None
     (`model.generate = functools.partial(...)`): the model's class, and what `save_pretrained` writes, stay as they
     were. Its `init_continuous_batching` (which `generate_batch` calls) is bound the same way, so that continuous
     batching runs lookahead steps too. The model also gets a `lookahead_state` where `"auto"` keeps what it learns
-    across calls, and is checked to compute lookahead steps as plain decoding does (`StepCheck`: a few short passes;
-    a model that does not is refused when a call asks for lookahead).
+    across calls. Nothing runs the model here: its first lookahead call checks that it computes lookahead steps as
+    plain decoding does (`StepCheck`: a few short passes, remembered in the state) and refuses it if not.
 
     Calling it again keeps the model's state unless `state` is given.
 
@@ -208,9 +208,6 @@ def enable_lookahead(model: PreTrainedModel, state: LookaheadState | None = None
         model.init_continuous_batching = functools.partial(init_continuous_batching_with_lookahead, model)
     if state is not None or getattr(model, "lookahead_state", None) is None:
         model.lookahead_state = state or LookaheadState()
-    if not model.config.is_encoder_decoder:
-        # Now rather than in the first call, which then runs no pass but its own; a refusal waits for that call.
-        model.lookahead_state.step_check.check(model)
     return model
 
 

@@ -21,11 +21,8 @@ try:  # present where `transformers serve` runs
 except ImportError:  # pragma: no cover - plain Python use
     HTTPException = None
 
-# What a call through this entry point gets when neither the call nor a generation config says otherwise. The suffix
-# memory is off: one loaded model may answer many users (a server), and a shared memory would let one user's text
-# shape another's candidates and timing. Operators turn it on with `lookahead_memory=True` (and give each tenant a
-# `lookahead_memory_namespace`).
-HUB_DEFAULTS = MappingProxyType({"lookahead_window": AUTO, "lookahead_memory": False})
+# What a call through this entry point gets when neither the call nor a generation config says otherwise.
+HUB_DEFAULTS = MappingProxyType({"lookahead_window": AUTO})
 
 
 def generate(*args: Any, model: PreTrainedModel, **kwargs: Any):

@@ -64,8 +64,8 @@ class StepCheck:
 
     def check(self, model: PreTrainedModel, padded: bool = True) -> None:
         """
-        Checks `model` now, if not yet (`enable_lookahead` does, so that no call runs the check's passes), and keeps
-        the verdicts. `padded`: also for left-padded batches.
+        Checks `model` now, if not yet (its first lookahead call does), and keeps the verdicts. `padded`: also for
+        left-padded batches.
         """
         verdicts = self._verdicts.setdefault(model, {})
         training = model.training

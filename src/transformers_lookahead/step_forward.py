@@ -10,8 +10,6 @@ import torch
 from transformers import Cache, EncoderDecoderCache
 
 from .cache_commit import keep_cache_rows
-from .compatibility import grouped_sdpa_for
-from .grouped_attention import register_grouped_attention, takes_grouped_kv
 from .step_layout import StepInputs
 
 if TYPE_CHECKING:
@@ -68,12 +66,6 @@ class StepForward:
         self.encoder_attention_mask = encoder_attention_mask
         self.cache_argument = cache_argument(model)
         self.slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # The decoder's config, which names the attention that takes grouped key/value heads with the step's mask,
-        # uncopied, for the steps' passes only.
-        self.grouped_config = None
-        if not self.is_encoder_decoder and takes_grouped_kv(model):
-            register_grouped_attention()
-            self.grouped_config = model.config.get_text_config(decoder=True)
 
     def compile(self, compile_config: CompileConfig | None) -> None:
         """Runs the steps through the model's compiled forward (`PreTrainedModel.get_compiled_call`)."""
@@ -105,10 +97,7 @@ class StepForward:
             kwargs.update(input_ids=step.input_ids, attention_mask=step.attention_mask)
             if step.position_ids is not None:
                 kwargs["position_ids"] = step.position_ids
-        if self.grouped_config is None:
-            return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
-        with grouped_sdpa_for(self.grouped_config):
-            return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
+        return logits_at(self.call, kwargs, step.logits_rows, self.slices_logits)
 
 
 def logits_at(call: Callable[..., Any], inputs: dict[str, Any], rows: Any, slices: bool) -> torch.Tensor:
