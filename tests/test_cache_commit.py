@@ -12,7 +12,7 @@ from transformers_lookahead.step_layout import AttentionGroup, StepLayout, atten
 from utils.faithfulness import greedy_margins, off_greedy_positions
 from utils.transformers_compatibility import compile_config as compile_everywhere
 
-from .utils import flat_state, random_prompt, tiny_model
+from .utils import checked, flat_state, random_prompt, tiny_model
 
 
 class CacheCommitTest(unittest.TestCase):
@@ -121,7 +121,8 @@ class StaticCacheTest(unittest.TestCase):
 
         from transformers_lookahead import enable_lookahead
 
-        model = enable_lookahead(tiny_model("llama"))
+        # Checked first: the step check's own passes, which the first lookahead call runs, use caches of their own.
+        model = checked(enable_lookahead(tiny_model("llama")))
         prompt = random_prompt(20, seed=8)
         expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
         # Exactly the room plain decoding needs: steps near the end must shrink to fit.

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalL
 
 import transformers_lookahead
 from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadGenerationMixin, enable_lookahead
+from transformers_lookahead.compatibility import attention_implementation
 from transformers_lookahead.generation_mixin import is_lookahead_enabled
 
 from .utils import VOCAB, random_prompt, tiny_model
@@ -102,7 +103,7 @@ class EnableLookaheadTest(unittest.TestCase):
         config_before = dict(vars(model.config))
         # What every pass of either thread runs under, as the model's attention layers read it.
         seen = set()
-        model.register_forward_pre_hook(lambda module, args: seen.add(module.config._attn_implementation))
+        model.register_forward_pre_hook(lambda module, args: seen.add(attention_implementation(module)))
         results: dict[str, list[torch.Tensor]] = {"plain": [], "lookahead": []}
 
         def decode(name: str, settings: dict) -> None:

@@ -140,8 +140,9 @@ class BatchedWarpersTest(unittest.TestCase):
     def test_rows_keep_plain_sampling_distribution(self, _, settings):
         torch.manual_seed(0)
         plain, _ = self._samples(settings, {})
-        # "auto" priced as on an accelerator verifies candidates in every step, whatever this CPU's timings.
-        looked, multi_token = self._samples(settings, {"lookahead_window": "auto"})
+        # "auto" priced as on an accelerator verifies candidates in every step, whatever this CPU's timings; its suffix
+        # memory of the earlier runs proposes long continuations, so that many steps accept several tokens.
+        looked, multi_token = self._samples(settings, {"lookahead_window": "auto", "lookahead_memory": True})
         sampled_rows = self.RUNS * 2 * self.COPIES
         self.assertGreater(multi_token, sampled_rows // 20, "the test must exercise multi-token acceptance")
         for prompt in range(2):

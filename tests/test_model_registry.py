@@ -17,7 +17,7 @@ from transformers_lookahead import enable_lookahead
 from utils.faithfulness import greedy_margins, off_greedy_positions
 from utils.transformers_compatibility import model_from_config, set_attention_implementation_unchecked
 
-from .utils import TINY_CONFIGS, flat_state, random_prompt, tiny_model
+from .utils import TINY_CONFIGS, checked, flat_state, random_prompt, tiny_model
 
 EXACT = "exact"
 NEW_TOKENS = 30
@@ -112,9 +112,9 @@ _ENCODER_DECODER_CONFIGS = {
 def registry_model(name: str, attn_implementation: str | None = None, dtype: torch.dtype = torch.float32):
     """The tiny model of family `name` in `dtype` with lookahead enabled, and the inputs its `generate` takes."""
     if name not in ENCODER_DECODERS:
-        return enable_lookahead(tiny_model(name, attn_implementation).to(dtype), flat_state()), random_prompt(
-            20, seed=6
-        )
+        # Checked first: the first lookahead call checks the model with passes of its own, not counted here.
+        model = checked(enable_lookahead(tiny_model(name, attn_implementation).to(dtype), flat_state()))
+        return model, random_prompt(20, seed=6)
     architecture = ENCODER_DECODERS[name]
     config_class = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
     config = config_class(**_ENCODER_DECODER_CONFIGS[name], decoder_start_token_id=1)

@@ -116,23 +116,30 @@ class StepCheckTest(unittest.TestCase):
             StepCheck().refuse_if_failing(model)
         self.assertGreater(len(passes), checked, "another check checks again")
 
-    def test_enabling_checks_so_that_a_refused_call_runs_no_pass(self):
+    def test_a_refused_call_runs_the_check_alone_and_once(self):
         from transformers_lookahead import LookaheadState
 
         model = enable_lookahead(tiny(ComputesStepsOtherwise), LookaheadState(cost_dir=None))
-        passes = []
-        model.register_forward_pre_hook(lambda *args: passes.append(1))
-        for window in (4, "auto"):
-            with self.assertRaisesRegex(ValueError, "ComputesStepsOtherwise"):
-                model.generate(random_prompt(10), max_new_tokens=8, do_sample=False, lookahead_window=window)
-        self.assertEqual(passes, [], "no check, no cost table, no prefill")
+        lengths = []
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        prompt = random_prompt(10)
+        with self.assertRaisesRegex(ValueError, "ComputesStepsOtherwise"):
+            model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window=4)
+        self.assertTrue(lengths, "the first lookahead call checks the model")
+        self.assertNotIn(prompt.shape[1], lengths, "no prefill")
+        lengths.clear()
+        with self.assertRaisesRegex(ValueError, "ComputesStepsOtherwise"):
+            model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window="auto")
+        self.assertEqual(lengths, [], "the verdict is remembered: no check, no cost table, no prefill")
 
     def test_a_model_that_decodes_padding_as_text_decodes_padded_batches_in_chain_steps(self):
         model = enable_lookahead(tiny(PaddingAsText))
         prompt = random_prompt(10)
         out = model.generate(prompt, max_new_tokens=8, do_sample=False, lookahead_window=4)
         self.assertTrue(torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False)))
-        self.assertRegex(model.lookahead_state.step_check.chain_reason(model), "left-padded row differs")
+        self.assertIsNone(model.lookahead_state.step_check.chain_reason(model), "full steps for unpadded rows")
         padded = {"input_ids": torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1)}
         padded["attention_mask"] = (padded["input_ids"] != 0).long()
         padded["attention_mask"][:, 3:] = 1
@@ -141,6 +148,7 @@ class StepCheckTest(unittest.TestCase):
             out = model.generate(**padded, max_new_tokens=8, do_sample=False, lookahead_window=4, pad_token_id=0)
         self.assertTrue(torch.equal(out, plain), "plain greedy's output, padding seen as it sees it")
         self.assertRegex(logs.output[0], "`PaddingAsText`'s own greedy decoding of a left-padded row differs.*chain")
+        self.assertRegex(model.lookahead_state.step_check.chain_reason(model), "left-padded row differs")
         with self.assertRaisesRegex(ValueError, "`PaddingAsText`'s own greedy decoding.*continuous batching"):
             model.lookahead_state.step_check.refuse_if_failing(model, padded=True)
 

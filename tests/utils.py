@@ -272,5 +272,6 @@ def checked(model):
     counts a call's forward passes or times its steps then sees that call's own passes only.
     """
     model = enable_lookahead(model) if getattr(model, "lookahead_state", None) is None else model
-    model.lookahead_state.step_check.check(model)
+    if not model.config.is_encoder_decoder:  # encoder-decoder models are not checked
+        model.lookahead_state.step_check.check(model)
     return model

@@ -168,7 +168,7 @@ def own_memory(kwargs: dict, namespace: str) -> dict:
     keeps one (`"auto"` with its memory on): a benchmark that runs a prompt again must not have it answered from the
     memory of the run before.
     """
-    keeps_memory = kwargs.get("lookahead_window") == "auto" and kwargs.get("lookahead_memory", True)
+    keeps_memory = kwargs.get("lookahead_window") == "auto" and kwargs.get("lookahead_memory", False)
     return {"lookahead_memory_namespace": namespace} if keeps_memory else {}
 
 
