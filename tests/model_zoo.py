@@ -273,11 +273,6 @@ def verdict(model: torch.nn.Module, settings: tuple[dict, ...]) -> Verdict:
     from transformers_lookahead import enable_lookahead
 
     model = enable_lookahead(model)
-    # Checked as users have the model (what its first lookahead call would check), before its positions are
-    # strengthened for the comparisons below: that scaling, a test's device, also scales the last bits the check
-    # tolerates.
-    if not model.config.is_encoder_decoder:
-        model.lookahead_state.step_check.check(model)
     strengthen_positions(model)
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None or isinstance(pad, list) else pad
@@ -331,6 +326,9 @@ def zoo_verdict(architecture: Architecture, settings: tuple[dict, ...], state_fa
     for layers in (True, False):
         try:
             model = enable_lookahead(build(architecture, layers), state_factory())
+            # Checked as users have the model (what its first lookahead call would check), before `verdict`
+            # strengthens its positions: that scaling, a test's device, also scales the last bits the check tolerates.
+            model.lookahead_state.step_check.check(model)
         except Exception as error:  # noqa: BLE001 - a config this Transformers cannot build is reported with its error
             result = Verdict("not built", f"{type(error).__name__}: {error}")
             continue
