@@ -1,6 +1,7 @@
 import unittest
 
-from transformers_lookahead.cost_model import EngineStepCost, StepCostModel, StepPricing, padded_length
+from transformers_lookahead.cost_model import EngineStepCost, StepCostModel, StepPricing
+from transformers_lookahead.step_layout import padded_length
 
 FLAT = StepCostModel({1: 1.0, 64: 1.0})
 STEEP = StepCostModel({1: 1.0, 2: 1.5, 8: 2.0, 64: 8.0})

@@ -9,10 +9,11 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_lookahead import LookaheadDecoderOnlyOutput, LookaheadState, enable_lookahead
+from transformers_lookahead.adaptive_planner import compiled_buckets
+from transformers_lookahead.adaptive_policy import AdaptiveStepPolicy, PolicyEstimates
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.cost_model import COST_GRID, StepCostModel
-from transformers_lookahead.lookahead_decoding import TokenStoppingCriteria, compiled_buckets
-from transformers_lookahead.step_policy import AdaptiveStepPolicy, PolicyEstimates
+from transformers_lookahead.lookahead_decoding import TokenStoppingCriteria
 from utils.transformers_compatibility import compile_config, set_attention_implementation_unchecked
 
 from .test_step_check import FailsOnSteps, IgnoresCustomMasks, IgnoresPositionIds, tiny

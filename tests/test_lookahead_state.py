@@ -15,9 +15,9 @@ from parameterized import parameterized
 
 from transformers_lookahead import LookaheadConfig, LookaheadState, enable_lookahead
 from transformers_lookahead import generate as lookahead_generate
+from transformers_lookahead.adaptive_policy import PolicyEstimates
 from transformers_lookahead.auto_tuning import AUTO_TUNING, AutoTuning
 from transformers_lookahead.cost_model import StepCostModel
-from transformers_lookahead.step_policy import PolicyEstimates
 
 from .utils import MeasurementCounter, flat_state, random_prompt, tiny_model
 

@@ -1,7 +1,6 @@
 import unittest
 
 from transformers_lookahead.ngram_pool import ContextIndex, NGramPool
-from transformers_lookahead.suffix_memory import MemoryMatch
 from transformers_lookahead.token_tree import TokenTree
 
 
@@ -112,7 +111,7 @@ class ContextIndexTest(unittest.TestCase):
         pool = NGramPool(continuation_length=2, max_per_key=2)
         pool.add(0, [1, 2])
         tree = pool.tree(0, 2)
-        tree.add_memory(MemoryMatch(3, ((1, 2, 7), (1, 5), (8,))), max_nodes=10)
+        tree.add_memory(3, ((1, 2, 7), (1, 5), (8,)), max_nodes=10)
         self.assertEqual((tree.memory_total, tree.memory_match), (3, 3))
         one = tree.child(-1, 1)
         self.assertEqual(tree.memory_counts[one], 2)
@@ -124,6 +123,6 @@ class ContextIndexTest(unittest.TestCase):
 
     def test_memory_adds_at_most_max_nodes(self):
         tree = TokenTree()
-        tree.add_memory(MemoryMatch(1, ((1, 2, 3), (4, 5, 6))), max_nodes=4)
+        tree.add_memory(1, ((1, 2, 3), (4, 5, 6)), max_nodes=4)
         self.assertEqual(tree.tokens, [1, 2, 3, 4])
         self.assertEqual(tree.memory_total, 2)

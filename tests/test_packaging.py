@@ -33,8 +33,11 @@ PRIVATE_API_FILES = {
 # Everything `generate` needs, and only that.
 STRATEGY_MODULES = {
     "__init__",
+    "adaptive_planner",
+    "adaptive_policy",
     "auto_tuning",
     "cache_commit",
+    "chain_steps",
     "compatibility",
     "configuration_lookahead",
     "continuous_batching",
@@ -56,6 +59,24 @@ STRATEGY_MODULES = {
     "step_policy",
     "token_tree",
     "suffix_memory",
+    "verification",
+}
+
+
+# The strategy's core (see `ImportGraphTest.test_the_core_imports_no_extension`).
+CORE_MODULES = {
+    "auto_tuning",
+    "cache_commit",
+    "compatibility",
+    "configuration_lookahead",
+    "lookahead_decoding",
+    "lookahead_window",
+    "ngram_pool",
+    "sequence_lookahead",
+    "step_forward",
+    "step_layout",
+    "step_policy",
+    "token_tree",
     "verification",
 }
 
@@ -157,11 +178,30 @@ class ImportGraphTest(unittest.TestCase):
         for loop in ("lookahead_decoding", "continuous_batching"):
             self.assertIn("sequence_lookahead", graph[loop])
 
+    def test_the_core_imports_no_extension(self):
+        # The loop and what one step is made of; everything else plugs in through the core's interfaces
+        # (`StepPlanner`, `CandidateSource`, `StepPolicy`, `StepSync`) and is never imported by it. `auto_tuning` holds
+        # the constants `lookahead_*="auto"` settings resolve to, and imports nothing.
+        graph = package_imports(Path(transformers_lookahead.__file__).parent)
+        for module in CORE_MODULES:
+            self.assertLessEqual(graph[module], CORE_MODULES, module)
+        self.assertEqual(graph["auto_tuning"], set())
+        extensions = (
+            "adaptive_planner",
+            "chain_steps",
+            "continuous_batching",
+            "rank_sync",
+            "step_check",
+            "suffix_memory",
+        )
+        for extension in extensions:
+            self.assertNotIn(extension, CORE_MODULES)
+
     def test_pricing_is_a_leaf_the_policy_asks(self):
         graph = package_imports(Path(transformers_lookahead.__file__).parent)
         # What steps cost runs nothing; measuring a table runs steps, and the policy does not depend on that.
         self.assertLessEqual(graph["cost_model"], {"auto_tuning"})
-        reached, todo = set(), ["step_policy"]
+        reached, todo = set(), ["adaptive_policy"]
         while todo:
             for module in graph[todo.pop()] - reached:
                 reached.add(module)

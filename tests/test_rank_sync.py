@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 from transformers import LogitsProcessorList
 
-from transformers_lookahead import LookaheadConfig, LookaheadState
+from transformers_lookahead import LookaheadConfig
 from transformers_lookahead.cost_model import StepCostModel
 from transformers_lookahead.lookahead_decoding import SequenceState, step_fingerprint
 from transformers_lookahead.rank_sync import RankSync
-from transformers_lookahead.sequence_lookahead import LookaheadFactory, SequenceStep
+from transformers_lookahead.sequence_lookahead import SequenceStep, StepPlanner
 from transformers_lookahead.step_layout import RowLayout
 from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import GreedyVerifier
@@ -45,9 +45,9 @@ class RankSyncTest(unittest.TestCase):
 class StepFingerprintTest(unittest.TestCase):
     def _plans(self, window_tokens):
         layout = RowLayout(2, 2, torch.device("cpu"))
-        factory = LookaheadFactory(None, LookaheadConfig(window=2, ngram=3), LookaheadState(cost_dir=None), False)
+        planner = StepPlanner(None, LookaheadConfig(window=2, ngram=3), False)
         sequence = SequenceState(
-            0, torch.tensor([[5, 6, 7]]), 0, [5, 6, 7], 20, factory, GreedyVerifier(LogitsProcessorList())
+            0, torch.tensor([[5, 6, 7]]), 0, [5, 6, 7], 20, planner, GreedyVerifier(LogitsProcessorList())
         )
         offer = sequence.policy.offer(TokenTree(), True, 1)
         row = layout.row([7], 2, window_tokens, TokenTree())

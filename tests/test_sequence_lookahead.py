@@ -5,16 +5,12 @@ import torch
 from transformers import LogitsProcessorList
 
 from transformers_lookahead import LookaheadConfig, LookaheadState
+from transformers_lookahead.adaptive_planner import AdaptivePlanner, ContextCandidates
+from transformers_lookahead.adaptive_policy import AdaptiveStepPolicy
 from transformers_lookahead.cost_model import StepCostModel
-from transformers_lookahead.sequence_lookahead import (
-    CandidateSource,
-    ContextCandidates,
-    LookaheadFactory,
-    PoolCandidates,
-    SequenceLookahead,
-)
+from transformers_lookahead.sequence_lookahead import CandidateSource, PoolCandidates, SequenceLookahead, StepPlanner
 from transformers_lookahead.step_layout import RowLayout
-from transformers_lookahead.step_policy import AdaptiveStepPolicy, StaticStepPolicy, StepChoice
+from transformers_lookahead.step_policy import StaticStepPolicy, StepChoice
 from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import GreedyVerifier, Verdict
 
@@ -43,15 +39,17 @@ class _State(LookaheadState):
         self.recall = recall
 
 
-def _factory(config: LookaheadConfig, recall=lambda key: None, **kwargs) -> LookaheadFactory:
-    # Without a model, so without the suffix memory that `"auto"` turns on.
+def _planner(config: LookaheadConfig, recall=lambda key: None, **kwargs) -> StepPlanner:
+    # Without a model, so without the suffix memory.
     config = dataclasses.replace(config, memory=False)
-    return LookaheadFactory(None, config, _State(recall), do_sample=False, cost=FLAT, **kwargs)
+    if not config.adaptive:
+        return StepPlanner(None, config, do_sample=False, **kwargs)
+    return AdaptivePlanner(None, config, _State(recall), do_sample=False, cost=FLAT, **kwargs)
 
 
 def _sequence(config: LookaheadConfig, limit: int = 40, recall=lambda key: None, **kwargs) -> SequenceLookahead:
-    factory = _factory(config, recall, **kwargs)
-    return SequenceLookahead(list(TEXT), limit, factory, GreedyVerifier(LogitsProcessorList()))
+    planner = _planner(config, recall, **kwargs)
+    return SequenceLookahead(list(TEXT), limit, planner, GreedyVerifier(LogitsProcessorList()))
 
 
 LAYOUT = RowLayout(3, 2, torch.device("cpu"))
@@ -59,16 +57,16 @@ LAYOUT = RowLayout(3, 2, torch.device("cpu"))
 
 def _offer(sequence: SequenceLookahead, sources: list[CandidateSource], max_positions: int | None):
     """The sequence's offer from `sources`, for a model embedding `max_positions` positions."""
-    sequence.factory.sources, sequence.factory.max_positions = sources, max_positions
+    sequence.sources, sequence.planner.max_positions = sources, max_positions
     return sequence.offer()
 
 
-class LookaheadFactoryTest(unittest.TestCase):
+class StepPlannerTest(unittest.TestCase):
     def test_builds_a_complete_sequence_from_its_text(self):
         sequence = _sequence(LookaheadConfig(window=3, ngram=3, guess=4))
         self.assertEqual((sequence.length, sequence.position, sequence.pending), (9, 8, [5]))
         self.assertIsInstance(sequence.policy, StaticStepPolicy)
-        self.assertIsNone(sequence.context)
+        self.assertEqual([type(source) for source in sequence.sources], [PoolCandidates])
         # The pool holds the text's n-grams; the window's guesses come from the text.
         self.assertEqual(sorted(sequence.pool.continuations(5)), [(6, 7)])
         self.assertEqual((sequence.window.window, sequence.window.levels), (3, 2))
@@ -84,49 +82,49 @@ class LookaheadFactoryTest(unittest.TestCase):
 
         sequence = _sequence(LookaheadConfig(window="auto", ngram=3), recall=recall)
         self.assertIsInstance(sequence.policy, AdaptiveStepPolicy)
-        self.assertIsNotNone(sequence.context)
+        self.assertEqual([type(source) for source in sequence.sources], [PoolCandidates, ContextCandidates])
         self.assertEqual(asked, [(*sequence.policy.shape, False)], "greedy calls carry their own estimates")
         self.assertEqual(sequence.policy.estimates(), learnt)
 
     def test_sequences_share_one_pricing_that_starts_from_the_last_call_once(self):
         config = LookaheadConfig(window="auto", ngram=3)
         learnt = dataclasses.replace(_sequence(config).policy.estimates(), excess_scale=2.0, underpricing=((4, 1.5),))
-        factory = _factory(config, recall=lambda key: learnt, timed=True)
-        pricing = factory.pricing
-        first = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
+        planner = _planner(config, recall=lambda key: learnt, timed=True)
+        pricing = planner.pricing
+        first = SequenceLookahead(list(TEXT), 40, planner, GreedyVerifier(LogitsProcessorList()))
         self.assertIs(first.policy.pricing, pricing)
         self.assertEqual(pricing.learnt(), (2.0, ((4, 1.5),)))
         # What the loop's steps teach it is kept when a later sequence joins (a continuous-batching request).
         pricing.observe(1, 0.01)
         pricing.observe(8, 0.04)
         taught = pricing.learnt()
-        second = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
+        second = SequenceLookahead(list(TEXT), 40, planner, GreedyVerifier(LogitsProcessorList()))
         self.assertIs(second.policy.pricing, pricing)
         self.assertEqual(pricing.learnt(), taught)
         self.assertNotEqual(taught, (2.0, ((4, 1.5),)))
-        carried = factory.estimates([first.policy, second.policy])
+        carried = planner.estimates([first.policy, second.policy])
         self.assertEqual((carried.excess_scale, carried.underpricing), taught)
         self.assertEqual(carried.match_rate, learnt.match_rate)
 
     def test_finished_sequences_leave_their_estimates_and_text(self):
         config = LookaheadConfig(window="auto", ngram=3, memory=True)
         state = LookaheadState(cost_dir=None)
-        factory = LookaheadFactory(tiny_model("llama"), config, state, do_sample=False, cost=FLAT)
-        sequence = SequenceLookahead(list(TEXT), 40, factory, GreedyVerifier(LogitsProcessorList()))
-        self.assertIsNone(state.recall(factory.estimates_key(sequence.policy)))
-        self.assertIsNone(factory.memory.match(TEXT[:4], 4), "an empty memory matches nothing")
-        factory.finish([sequence])
-        self.assertEqual(state.recall(factory.estimates_key(sequence.policy)), factory.estimates([sequence.policy]))
-        self.assertIsNotNone(factory.memory.match(TEXT[:4], 4), "the text joined the suffix memory")
+        planner = AdaptivePlanner(tiny_model("llama"), config, state, do_sample=False, cost=FLAT)
+        sequence = SequenceLookahead(list(TEXT), 40, planner, GreedyVerifier(LogitsProcessorList()))
+        self.assertIsNone(state.recall(planner.estimates_key(sequence.policy)))
+        self.assertIsNone(planner.memory.match(TEXT[:4], 4), "an empty memory matches nothing")
+        planner.finish([sequence])
+        self.assertEqual(state.recall(planner.estimates_key(sequence.policy)), planner.estimates([sequence.policy]))
+        self.assertIsNotNone(planner.memory.match(TEXT[:4], 4), "the text joined the suffix memory")
 
     def test_a_batch_is_priced_per_row_and_again_when_it_shrinks(self):
         steep = StepCostModel({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5, 64: 32.5})
-        factory = LookaheadFactory(
+        planner = AdaptivePlanner(
             None, LookaheadConfig(window="auto", memory=False), _State(), False, steep, batch_size=4
         )
-        self.assertEqual(factory.pricing(2), steep.for_batch(4)(2))
-        factory.price_batch(2)
-        self.assertEqual(factory.pricing(2), steep.for_batch(2)(2))
+        self.assertEqual(planner.pricing(2), steep.for_batch(4)(2))
+        planner.price_batch(2)
+        self.assertEqual(planner.pricing(2), steep.for_batch(2)(2))
 
 
 class OfferTest(unittest.TestCase):

@@ -5,7 +5,8 @@ import transformers
 from parameterized import parameterized
 
 from transformers_lookahead import enable_lookahead
-from transformers_lookahead.step_check import LONGEST_CHAIN_CHECKED, StepCheck, step_failure
+from transformers_lookahead.chain_steps import LONGEST_CHAIN_CHECKED
+from transformers_lookahead.step_check import StepCheck, step_failure
 
 from .utils import random_prompt, tiny_model
 

@@ -6,12 +6,10 @@ from transformers import DynamicCache
 
 from transformers_lookahead.step_layout import (
     AttentionGroup,
-    ChainLayout,
     StepLayout,
     attention_groups,
     layer_types,
 )
-from transformers_lookahead.token_tree import TokenTree
 
 from .utils import pool_tree, random_prompt, tiny_model
 
@@ -71,33 +69,6 @@ class StepLayoutTest(unittest.TestCase):
             with torch.no_grad():
                 expected = model(input_ids=sequence[None]).logits[0, -1]
             torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
-
-
-class ChainLayoutTest(unittest.TestCase):
-    def test_consecutive_positions_and_the_padding_mask_plain_decoding_passes(self):
-        layout = ChainLayout(torch.float32, torch.device("cpu"))
-        tree = TokenTree()
-        tree.add_path([8, 9])
-        one = layout.build(DynamicCache(), [layout.row([4, 5], 10, None, tree)])
-        self.assertEqual(one.input_ids.tolist(), [[4, 5, 8, 9]])
-        self.assertEqual(one.position_ids.tolist(), [[9, 10, 11, 12]])
-        self.assertEqual(one.logits_rows.tolist(), [1, 2, 3])
-        self.assertIsNone(one.attention_mask, "one unpadded sequence: the model builds its causal mask")
-        slot_valid = torch.tensor([[False, True, True], [True, True, True]])
-        rows = [layout.row([4], 2, None, tree), layout.row([6], 3, None, TokenTree())]
-        batch = layout.build(DynamicCache(), rows, slot_valid)
-        self.assertEqual(batch.attention_mask.tolist(), [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-        self.assertEqual(batch.input_ids[1, 0].item(), 6)
-
-    def test_a_chain_row_holds_one_path_and_no_window(self):
-        layout = ChainLayout(torch.float32, torch.device("cpu"))
-        branching = TokenTree()
-        branching.add_path([8, 9])
-        branching.add_path([5])
-        with self.assertRaisesRegex(ValueError, "one candidate continuation"):
-            layout.row([4], 10, None, branching)
-        with self.assertRaisesRegex(ValueError, "no window"):
-            layout.row([4], 10, [1, 2], TokenTree())
 
 
 def _prefilled(name: str):

@@ -1,17 +1,11 @@
 import dataclasses
 import unittest
 
+from transformers_lookahead.adaptive_policy import AdaptiveStepPolicy, PolicyEstimates, choose_window
 from transformers_lookahead.auto_tuning import AUTO_TUNING
 from transformers_lookahead.cost_model import StepCostModel, StepPricing
 from transformers_lookahead.ngram_pool import NGramPool
-from transformers_lookahead.step_policy import (
-    AdaptiveStepPolicy,
-    PolicyEstimates,
-    StaticStepPolicy,
-    StepChoice,
-    choose_window,
-)
-from transformers_lookahead.suffix_memory import MemoryMatch
+from transformers_lookahead.step_policy import StaticStepPolicy, StepChoice
 from transformers_lookahead.token_tree import TokenTree
 from transformers_lookahead.verification import Verdict
 
@@ -144,7 +138,7 @@ class StepPolicyTest(unittest.TestCase):
     def test_memory_nodes_follow_their_counts_and_learnt_rate(self):
         policy = AdaptiveStepPolicy(StepPricing(FLAT), window_length=8, levels=2, memory_match=3, memory_depth=4)
         tree = TokenTree()
-        tree.add_memory(MemoryMatch(2, ((1, 2), (1, 2), (1, 3), (4,))), max_nodes=10)
+        tree.add_memory(2, ((1, 2), (1, 2), (1, 3), (4,)), max_nodes=10)
         probability = policy.acceptance.node_probabilities(tree)
         one, four = tree.child(-1, 1), tree.child(-1, 4)
         self.assertAlmostEqual(probability[one], 0.5 * 3 / 4)

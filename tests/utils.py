@@ -152,7 +152,7 @@ def decoding_loop_default_device(device: str):
     """
     import transformers_lookahead.generation_mixin as mixin
 
-    decoding, module_call = mixin.lookahead_generate, torch.nn.Module.__call__
+    decoding, module_call = mixin.generate, torch.nn.Module.__call__
 
     def decoding_on_device(*args, **kwargs):
         with torch.device(device):
@@ -166,7 +166,7 @@ def decoding_loop_default_device(device: str):
         return wrapped
 
     with (
-        mock.patch.object(mixin, "lookahead_generate", decoding_on_device),
+        mock.patch.object(mixin, "generate", decoding_on_device),
         mock.patch.object(torch.nn.Module, "__call__", on_cpu(module_call)),
         mock.patch.object(transformers.DynamicCache, "__init__", on_cpu(transformers.DynamicCache.__init__)),
         mock.patch.object(transformers.StaticCache, "__init__", on_cpu(transformers.StaticCache.__init__)),

@@ -95,6 +95,10 @@ def run_priced(args, model, prompts) -> dict:
     for name, table in tables.items():
         # A state per table: its steps follow that table alone, and its estimates carry from prompt to prompt.
         methods[f"lookahead_auto@{name}"] = (AUTO, fixed_table_state(table))
+    # Each state checks the model at its first lookahead call, with passes of its own: checked here, those passes
+    # are not among the priced ones.
+    for state in [model.lookahead_state] + [state for _, state in methods.values() if state is not None]:
+        state.step_check.check(model)
     timer = ForwardTimer(model)
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     runs = []

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from transformers_lookahead.cache_commit import CacheCommitter  # noqa: E402
+from transformers_lookahead.chain_steps import committer_for  # noqa: E402
 from utils.workload import environment  # noqa: E402
 
 # About 1.8B parameters (tied embeddings): Qwen3.5's layout at a 2B model's width.
@@ -60,7 +60,7 @@ def measure(model: transformers.PreTrainedModel, context: int, chain: int, repea
     ids = torch.randint(vocab // 4, vocab, (1, context + chain), generator=generator)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :context], cache=cache, use_cache=True)
-    committer = CacheCommitter(cache, owner=type(model).__name__)
+    committer = committer_for(cache, owner=type(model).__name__)
     committer.start()
     times = {"one_token_pass": [], "chain_pass": [], "save": [], "restore": []}
     for repeat in range(repeats + 1):

@@ -12,8 +12,8 @@ One way for each use:
 """
 
 from .configuration_lookahead import LookaheadConfig
-from .generation_mixin import LookaheadGenerationMixin, enable_lookahead
-from .lookahead_decoding import LookaheadDecoderOnlyOutput, LookaheadEncoderDecoderOutput, generate
+from .generation_mixin import LookaheadGenerationMixin, enable_lookahead, generate
+from .lookahead_decoding import LookaheadDecoderOnlyOutput, LookaheadEncoderDecoderOutput
 from .lookahead_state import LookaheadState
 from .model_folder import save_lookahead_model, write_custom_generate
 

@@ -7,19 +7,14 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
 from .compatibility import (
-    CHAIN_ROLLBACK_LAYERS,
     RECURRENT_LAYERS,
     ROLLBACK_LAYERS,
-    DynamicLayer,
     DynamicSlidingWindowLayer,
     StaticLayer,
     can_roll_back,
-    crop_attention_part,
-    forget_recorded_past,
     is_shared_layer,
     layer_step_start,
     length_on_device,
-    recurrent_state_tensors,
 )
 from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 
@@ -61,75 +56,6 @@ class EntryMoves:
             tensor[:, :, start : start + self.width] = torch.gather(tensor[:, :, start:], 2, source)
 
 
-class RecurrentStates:
-    """
-    The running states of a cache's linear-attention and state-space layers (convolution and recurrent states),
-    kept before a chain step so that the step can be undone: such a layer keeps one state, not an entry per token,
-    so the state after a step's rejected tokens cannot be cropped back to the accepted ones. A step that keeps every
-    token it fed keeps the state; any other is undone (`restore`), and its accepted tokens are fed again.
-
-    Args:
-        layers (`list`): the cache's layers among `RECURRENT_LAYERS`.
-    """
-
-    def __init__(self, layers: list):
-        self.layers = layers
-        self._kept: list[dict] | None = None
-
-    def save(self) -> None:
-        """Keeps a copy of every layer's state (before a step)."""
-        self._kept = []
-        for layer in self.layers:
-            kept = {}
-            for name, value in recurrent_state_tensors(layer).items():
-                if isinstance(value, dict):
-                    kept[name] = {index: clone(tensor) for index, tensor in value.items()}
-                else:
-                    kept[name] = clone(value)
-            self._kept.append(kept)
-
-    def restore(self) -> None:
-        """Puts back the states `save` kept, in the tensors the layers hold where shapes allow (static addresses)."""
-        if self._kept is None:
-            raise RuntimeError("A step was undone without its recurrent states kept before it (`save`).")
-        for layer, kept in zip(self.layers, self._kept):
-            for name, value in kept.items():
-                held = getattr(layer, name)
-                if isinstance(value, dict):
-                    for index, tensor in value.items():
-                        if (
-                            isinstance(tensor, torch.Tensor)
-                            and isinstance(held[index], torch.Tensor)
-                            and (held[index].shape == tensor.shape)
-                        ):
-                            held[index].copy_(tensor)
-                        else:
-                            held[index] = tensor
-                else:
-                    held.copy_(value)
-        self.settle()
-
-    def settle(self) -> None:
-        """After a step, kept or undone: layers recording their past drop what only a `crop` would have used."""
-        for layer in self.layers:
-            forget_recorded_past(layer)
-        self._kept = None
-
-    def nbytes(self) -> int:
-        """The bytes a `save` copies."""
-        total = 0
-        for layer in self.layers:
-            for value in recurrent_state_tensors(layer).values():
-                for tensor in value.values() if isinstance(value, dict) else [value]:
-                    total += tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
-        return total
-
-
-def clone(value):
-    """A copy of a state tensor (other values as they are)."""
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
 def keep_cache_rows(cache: Cache, indices: torch.Tensor) -> None:
     """
     Keeps the batch rows `indices` of every layer (`Cache.batch_select_indices`, which recurrent layers lack: they
@@ -140,52 +66,6 @@ def keep_cache_rows(cache: Cache, indices: torch.Tensor) -> None:
             layer.reorder_cache(indices)
         else:
             layer.batch_select_indices(indices)
-
-
-def token_count(cache: Cache) -> int:
-    """
-    The tokens `cache` holds, as its first layer with an entry per token counts them (a recurrent layer's own count is
-    the model's to keep, and some models keep none).
-    """
-    for layer in cache.layers:
-        if not is_shared_layer(layer) and (type(layer) not in RECURRENT_LAYERS or isinstance(layer, DynamicLayer)):
-            return int(layer.get_seq_length())
-    return int(cache.get_seq_length())
-
-
-def chain_only_layers(cache: Cache) -> list[str]:
-    """
-    The kinds of `cache`'s layers that only chain steps can roll back (recurrent layers, indexed layers), by class
-    name, each once; empty when full steps can.
-    """
-    kinds = []
-    for layer in cache.layers:
-        kind = type(layer).__name__
-        if type(layer) in RECURRENT_LAYERS + CHAIN_ROLLBACK_LAYERS and kind not in kinds:
-            kinds.append(kind)
-    return kinds
-
-
-def chain_only_reason(owner: str, cache: Cache) -> str | None:
-    """Why `owner`, holding `cache`, takes chain steps only (`chain_only_layers`), or `None`."""
-    kinds = chain_only_layers(cache)
-    if not kinds:
-        return None
-    recurrent = [kind for kind in kinds if "LinearAttention" in kind]
-    why = []
-    if recurrent:
-        why.append(
-            f"its {', '.join(recurrent)} layers keep one running state (linear attention, state space) instead of an "
-            "entry per token and read a step's tokens in order, so a step's branches cannot sit side by side in one "
-            "pass"
-        )
-    if len(recurrent) < len(kinds):
-        indexed = [kind for kind in kinds if kind not in recurrent]
-        why.append(
-            f"its {', '.join(indexed)} layers keep an indexer's keys beside their own, which a step's entry moves "
-            "would not move"
-        )
-    return f"`{owner}` cannot take full lookahead steps: {'; '.join(why)}."
 
 
 def unsupported_layer_message(owner: str, cache: Cache, layer: CacheLayerMixin) -> str:
@@ -233,11 +113,7 @@ class CacheCommitter:
         if strategy not in CACHE_COMMIT_STRATEGIES:
             raise ValueError(f"`lookahead_cache_commit` must be one of {CACHE_COMMIT_STRATEGIES}, got {strategy!r}.")
         for layer in cache.layers:
-            if (
-                can_roll_back(layer)
-                or is_shared_layer(layer)
-                or type(layer) in RECURRENT_LAYERS + CHAIN_ROLLBACK_LAYERS
-            ):
+            if self.takes(layer):
                 continue
             if type(layer) in ROLLBACK_LAYERS:  # a static sliding layer past its window
                 raise ValueError(
@@ -250,10 +126,11 @@ class CacheCommitter:
         self.strategy = strategy
         self.is_static = any(isinstance(layer, StaticLayer) for layer in cache.layers)
         self._device_length: int | None = None
-        recurrent = [layer for layer in cache.layers if type(layer) in RECURRENT_LAYERS]
-        # `None` without recurrent layers: nothing to keep before a step.
-        self.states = RecurrentStates(recurrent) if recurrent else None
-        self.chain_only = bool(chain_only_layers(cache))
+
+    @staticmethod
+    def takes(layer: CacheLayerMixin) -> bool:
+        """Whether a step's entries can be dropped from `layer` (layers sharing another's keys hold none)."""
+        return can_roll_back(layer) or is_shared_layer(layer)
 
     def seq_length(self, layer_idx: int = 0) -> int:
         """The tokens layer `layer_idx` holds, as `Cache.get_seq_length` says, without reading the device."""
@@ -287,27 +164,27 @@ class CacheCommitter:
         self._device_length = lengths.pop() if lengths else None
         for layer in self.cache.layers:
             # Only sliding layers record their past, so that a crop can reach back past their window (a hybrid
-            # layer's recurrent part then records too, and `RecurrentStates.settle` trims it).
+            # layer's recurrent part then records too, and `ChainCommitter` trims it).
             if isinstance(layer, DynamicSlidingWindowLayer):
                 layer.activate_past_recording()
 
     def before_step(self, feeds_guesses: bool) -> None:
         """
-        Called before every step's forward pass: keeps the recurrent states where a step feeds tokens that may not be
-        kept (`feeds_guesses`; a step of pending tokens alone is always kept).
+        Called before every step's forward pass, with whether it feeds tokens that may not be kept (a step of pending
+        tokens alone is always kept). Nothing to keep here; `ChainCommitter` keeps recurrent states.
         """
-        if self.states is not None and feeds_guesses:
-            self.states.save()
+
+    def keep(self, step_length: int, kept_rows: list[list[int]]) -> tuple[int, bool]:
+        """
+        Keeps the step's accepted entries (`commit`), or undoes the whole step where the cache cannot keep part of
+        it (`ChainCommitter`); returns the slots added to every sequence and whether the step was undone.
+        """
+        return self.commit(step_length, kept_rows), False
 
     def undo(self, step_length: int) -> None:
-        """
-        Drops the whole step: every layer as it was before it (recurrent states put back, attention entries cropped),
-        so the step's tokens, accepted ones included, must be fed again.
-        """
+        """Drops the whole step: every layer as it was before it, so the step's tokens must be fed again."""
         for layer in self.cache.layers:
             self._crop(layer, -step_length)
-        if self.states is not None:
-            self.states.restore()
         if self._device_length is not None:
             self._device_length -= step_length
 
@@ -333,10 +210,8 @@ class CacheCommitter:
         in_place = all(rows == list(range(len(rows))) for rows in kept_rows)
         # Unused slots copy the row's last kept entry: any finite value does, they are masked.
         moves = None if in_place else EntryMoves([rows + rows[-1:] * (added - len(rows)) for rows in kept_rows])
-        if self.states is not None and any(rows != list(range(step_length)) for rows in kept_rows):
-            raise RuntimeError("A step that did not keep every token it fed must be undone (`undo`) on this cache.")
         for layer in self.cache.layers:
-            # Shared layers hold nothing; recurrent layers' running states have no entries to move.
+            # Shared layers hold nothing; running states (`ChainCommitter`) have no entries to move.
             if is_shared_layer(layer) or not getattr(layer, "is_initialized", False):
                 continue
             # The step was written right after what the layer held before it.
@@ -355,17 +230,11 @@ class CacheCommitter:
         # Sliding layers also fall back to their window here, which is why crop runs even with nothing to drop.
         for layer in self.cache.layers:
             self._crop(layer, -(step_length - added))
-        if self.states is not None:
-            self.states.settle()
         if self._device_length is not None:
             self._device_length += added
         return added
 
     @staticmethod
     def _crop(layer: CacheLayerMixin, tokens_to_remove: int) -> None:
-        """A layer's `crop`; a recurrent hybrid layer's attention part alone (`RecurrentStates` keeps its state)."""
-        if type(layer) in RECURRENT_LAYERS:
-            if isinstance(layer, DynamicLayer):
-                crop_attention_part(layer, tokens_to_remove)
-        elif not is_shared_layer(layer):
+        if not is_shared_layer(layer):
             layer.crop(tokens_to_remove)

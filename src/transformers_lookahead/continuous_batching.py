@@ -36,6 +36,8 @@ from transformers.generation.continuous_batching.requests import (
 )
 from transformers.utils import logging
 
+from .adaptive_planner import AdaptivePlanner
+from .adaptive_policy import batch_step_length
 from .compatibility import attention_implementation
 from .configuration_lookahead import LookaheadConfig
 from .cost_measurement import model_key
@@ -52,10 +54,9 @@ from .engine_compatibility import (
     taken_over,
 )
 from .lookahead_state import LookaheadState
-from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep
+from .sequence_lookahead import SequenceLookahead, SequenceStep, StepPlanner
 from .step_forward import logits_at
 from .step_layout import RowLayout
-from .step_policy import batch_step_length
 from .token_tree import TokenTree
 from .verification import processors_for_row, read_choices
 
@@ -90,7 +91,7 @@ class LookaheadBatching:
     The lookahead part of a continuous-batching engine: one per manager, holding every decoding request's lookahead.
 
     Each step: `plan` gives every decoding request its block (before the scheduler budgets and pages it like any
-    query tokens), `lay_out` writes the blocks' positions and masks over the batch Transformers prepared, `settle`
+    query tokens), `lay_out` writes the blocks' positions and masks over the batch Transformers prepared, `accept`
     verifies each request and appends what it accepted, and `commit` moves the accepted KV entries into place.
 
     With `lookahead_window="auto"` the step settles on one length per request (`batch_step_length`) priced as
@@ -123,6 +124,7 @@ class LookaheadBatching:
         query_padding: int | None = None,
     ):
         self.logits_processor = logits_processor
+        self.state = state
         self.max_batch_tokens = max_batch_tokens
         self.query_padding = query_padding
         self.engine_cost = None
@@ -139,11 +141,15 @@ class LookaheadBatching:
         # A window for one request, priced as the engine pads it; the engine times whole steps itself
         # (`EngineStepCost`), not through the policies' pricing, which `plan` prices per batch.
         window_cost = padded_table(cost, 1, query_padding, max_batch_tokens) if cost and query_padding else None
-        self.factory = LookaheadFactory(
-            model, config, state, bool(generation_config.do_sample), cost, batch_size=None, window_cost=window_cost
-        )
+        do_sample = bool(generation_config.do_sample)
+        if config.adaptive:
+            self.planner = AdaptivePlanner(
+                model, config, state, do_sample, cost, batch_size=None, window_cost=window_cost
+            )
+        else:
+            self.planner = StepPlanner(model, config, do_sample, observer=state.step_observer)
         # Transformers lays out the masks over the paged cache, and `lay_out` fills each block.
-        self.layout = RowLayout(self.factory.window_size, config.levels, torch.device("cpu"))
+        self.layout = RowLayout(self.planner.window_size, config.levels, torch.device("cpu"))
         self.reset()
 
     def reset(self) -> None:
@@ -178,10 +184,10 @@ class LookaheadBatching:
         share = SHARE_WHILE_REQUESTS_WAIT if requests_wait else 1.0
         longest = max(1, int(self.max_batch_tokens * share) // len(decoding))
         # A step of T tokens per request costs what `requests x T` tokens cost: the policies plan with that.
-        self.factory.price_batch(len(decoding), self.query_padding, self.max_batch_tokens // len(decoding))
+        self.planner.price_batch(len(decoding), self.query_padding, self.max_batch_tokens // len(decoding))
         offers = [lookahead.offer() for lookahead in lookaheads]
         budget = None
-        if self.factory.config.adaptive:
+        if isinstance(self.planner, AdaptivePlanner):
             lengths = sorted(
                 {option.length for offer in offers for option in offer.options if option.length <= longest}
             )
@@ -189,7 +195,7 @@ class LookaheadBatching:
             engine_cost = self.engine_cost.for_batch(len(decoding), cached) if self.engine_cost else None
             if engine_cost and self.query_padding:
                 engine_cost = padded_step_cost(engine_cost, len(decoding), self.query_padding)
-            budget = batch_step_length(offers, engine_cost or self.factory.pricing, tuple(lengths or [1]))
+            budget = batch_step_length(offers, engine_cost or self.planner.pricing, tuple(lengths or [1]))
         room = self.max_batch_tokens
         for (request_id, state), lookahead, offer in zip(decoding, lookaheads, offers):
             # Within the step's budget, leaving every request after this one a token.
@@ -254,12 +260,12 @@ class LookaheadBatching:
         """Learns the engine's cost from the step `lay_out` prepared, which took `seconds` in all."""
         if self.engine_cost is not None and self.step_shape is not None:
             self.engine_cost.observe(*self.step_shape, seconds)
-            self.factory.state.remember_engine_steps(self.engine_key, self.engine_cost.history())
+            self.state.remember_engine_steps(self.engine_key, self.engine_cost.history())
         self.step_shape = None
 
     # Settling, after the forward pass.
 
-    def settle(
+    def accept(
         self, state: RequestState, return_logprobs: bool
     ) -> tuple[SequenceLookahead, SequenceStep | None, bool]:
         """
@@ -285,13 +291,13 @@ class LookaheadBatching:
             tokens = list(state.initial_tokens) + list(state.generated_tokens)
             remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
             processors = request_processors(self.logits_processor, state.logit_processor_kwargs)
-            verifier = self.factory.verifiers([processors_for_row(processors, 0, 1)])[0]
+            verifier = self.planner.verifiers([processors_for_row(processors, 0, 1)])[0]
             input_ids = torch.tensor([tokens], device="cpu") if verifier.reads_text else None
             verdict = verifier.verify(logits, TokenTree(), 1, input_ids, remaining, choices)
             tokens.append(verdict.tokens[0])
             stop(verdict.tokens[0], verdict.logits[0], verdict.scores[0])
             limit = len(tokens) - 1 + remaining
-            lookahead = self.requests[request_id] = SequenceLookahead(tokens, limit, self.factory, verifier)
+            lookahead = self.requests[request_id] = SequenceLookahead(tokens, limit, self.planner, verifier)
         else:
             verified = step is not None and step.row.length > 1
             verdict = lookahead.verify(step if verified else None, logits, choices)
@@ -317,10 +323,10 @@ class LookaheadBatching:
         self.moves = []
 
     def finish(self, request_id: str) -> None:
-        """Forgets a finished request; what it learnt and its text are kept for later calls (`LookaheadFactory.finish`)."""
+        """Forgets a finished request; what it learnt and its text are kept for later calls (`StepPlanner.finish`)."""
         lookahead = self.requests.pop(request_id, None)
         if lookahead is not None:
-            self.factory.finish([lookahead])
+            self.planner.finish([lookahead])
 
 
 class LookaheadModelRunner(ModelRunnerHooks):
@@ -431,7 +437,7 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
             if future.has_new_token:
                 if state.generated_len() == 0:
                     state.status = RequestStatus.DECODING
-                settled.append((future, *self.lookahead.settle(state, self.return_logprobs)))
+                settled.append((future, *self.lookahead.accept(state, self.return_logprobs)))
             elif state.status == RequestStatus.PREFILLING:
                 self.cache.mark_complete_blocks(state, future.complete_blocks)
         self.lookahead.commit(self.cache)

@@ -17,11 +17,11 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.utils import logging
 
-from .cache_commit import CacheCommitter
+from .chain_steps import ChainLayout, committer_for
 from .compatibility import attention_implementation
 from .cost_model import COST_GRID, StepCostModel
 from .step_forward import StepForward, max_positions
-from .step_layout import ChainLayout, StepInputs, StepLayout
+from .step_layout import StepInputs, StepLayout
 from .token_tree import TokenTree
 
 logger = logging.get_logger(__name__)
@@ -136,7 +136,7 @@ def measure_step_costs(
     positions = torch.arange(context, device=device)[None]
     forward(StepInputs(ids[:, :context], positions, None, torch.tensor([context - 1], device=device), [None]))
     # Every timed step is then undone, recurrent states included (kept before the timer starts).
-    committer = CacheCommitter(forward.decoder_cache, owner=type(model).__name__)
+    committer = committer_for(forward.decoder_cache, owner=type(model).__name__)
     committer.start()
     layout = (ChainLayout if chain else StepLayout).for_model(model, forward.decoder_cache, 1, 1)
 

@@ -221,16 +221,6 @@ def _non_negative_fit(rows: deque[tuple[float, ...]]) -> list[float]:
     return coefficients
 
 
-def padded_length(length: int, buckets: tuple[int, ...] | int) -> int:
-    """
-    The length a fixed-shape pass runs `length` tokens as: the shortest of `generate`'s compiled `buckets` holding
-    them (the longest if none does), or the next multiple of a continuous-batching engine's padding interval.
-    """
-    if isinstance(buckets, int):
-        return -(-length // buckets) * buckets
-    return next((bucket for bucket in buckets if bucket >= length), buckets[-1])
-
-
 def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval: int) -> Callable[[int], float]:
     """
     The cost of a step of T tokens for each of `requests` requests in an engine that pads a step's query tokens to a
@@ -238,7 +228,8 @@ def padded_step_cost(step_cost: Callable[[int], float], requests: int, interval:
     """
 
     def cost(length: int) -> float:
-        return step_cost(max(length, padded_length(requests * length, interval) // requests))
+        # The engine pads the step's query tokens to the next multiple of `interval` (`padded_length`).
+        return step_cost(max(length, -(-requests * length // interval) * interval // requests))
 
     return cost
 

@@ -1,4 +1,7 @@
-"""`LookaheadGenerationMixin`: lookahead decoding behind the usual `model.generate(...)` call."""
+"""
+How a model's `generate` reaches the lookahead loop: `enable_lookahead` and `LookaheadGenerationMixin`, and
+`generate`, the loop as a `custom_generate` callable, which decides what the loop is built with (`lookahead_decoder`).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,32 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .adaptive_planner import AdaptivePlanner
+from .chain_steps import ChainCommitter, ChainLayout, committer_for
 from .compatibility import is_from_model_config, mark_as_user_config
-from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, check_cache_implementation, first_set
-from .lookahead_decoding import generate as lookahead_generate
+from .configuration_lookahead import (
+    LOOKAHEAD_FIELDS,
+    LookaheadConfig,
+    check_cache_implementation,
+    first_set,
+    validate_lookahead_setup,
+)
+from .lookahead_decoding import LookaheadDecoder, LookaheadDecoderOnlyOutput, LookaheadEncoderDecoderOutput
 from .lookahead_state import LookaheadState
+from .rank_sync import RankSync
+from .sequence_lookahead import StepPlanner
+from .step_forward import StepForward, select_rows
+from .step_layout import StepLayout
 
 if TYPE_CHECKING:
-    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+# Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
+DEFAULT_WINDOW = "auto"
 
 
 class LookaheadGenerationMixin:
@@ -106,7 +125,7 @@ def generate_with_lookahead(
     # `generate` hands a `custom_generate` callable only the arguments its own decoding loops do not take, so the
     # streamer and the assistant travel bound to the callable.
     decoding = functools.partial(
-        lookahead_generate,
+        generate,
         lookahead_config=config,
         lookahead_state=getattr(model, "lookahead_state", None),
         lookahead_streamer=kwargs.pop("streamer", None),
@@ -215,3 +234,152 @@ def is_lookahead_enabled(model: PreTrainedModel) -> bool:
     """Whether `enable_lookahead` bound the model's `generate`."""
     bound = vars(model).get("generate")
     return isinstance(bound, functools.partial) and bound.func is generate_with_lookahead
+
+
+def generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    lookahead_window: int | str | None = None,
+    lookahead_ngram: int | str | None = None,
+    lookahead_guess: int | str | None = None,
+    lookahead_pool_from_prompt: bool | None = None,
+    lookahead_cache_commit: str | None = None,
+    lookahead_memory: bool | None = None,
+    lookahead_memory_size: int | None = None,
+    lookahead_memory_namespace: str | None = None,
+    lookahead_config: LookaheadConfig | None = None,
+    lookahead_state: LookaheadState | None = None,
+    lookahead_streamer: BaseStreamer | None = None,
+    lookahead_assistant_model: PreTrainedModel | None = None,
+    **model_kwargs: Any,
+) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
+    r"""
+    Generates with lookahead decoding: each step runs one forward pass that both advances a Jacobi window of guesses
+    and verifies candidate n-grams from a pool, then accepts every verified token plus one. Greedy output is the
+    output of plain greedy decoding and sampled output follows the distribution of plain sampling, with the same
+    logits processors, warpers and stopping criteria.
+
+    `generate` calls this after preparing the inputs, either as a `custom_generate` callable
+    (`model.generate(..., custom_generate=transformers_lookahead.generate, lookahead_window=7)`) or through
+    `LookaheadGenerationMixin`. Settings come from `lookahead_config`, else from the `lookahead_*` arguments, else
+    from the `generation_config` fields of the same names.
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks, or an
+            encoder-decoder model whose decoder also takes position ids (Whisper).
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the prompts (for encoder-decoder
+            models, the decoder's), left-padded as `generate` expects (the padding is read from
+            `model_kwargs["attention_mask"]`, for encoder-decoder models `model_kwargs["decoder_attention_mask"]`).
+        logits_processor (`LogitsProcessorList`): processors applied to every accepted position.
+        stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
+        generation_config (`GenerationConfig`): the resolved generation config.
+        synced_gpus (`bool`, *optional*, defaults to `False`): unsupported, must be False.
+        lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt, lookahead_cache_commit,
+        lookahead_memory, lookahead_memory_size, lookahead_memory_namespace (*optional*): the `LookaheadConfig`
+            fields of the same names (`window`, `ngram`, ...). Named here because Transformers passes a
+            `custom_generate` callable only the keyword arguments its signature names.
+        lookahead_config (`LookaheadConfig`, *optional*): the settings, already resolved (what
+            `LookaheadGenerationMixin` passes); the `lookahead_*` arguments above are then ignored.
+        lookahead_state (`LookaheadState`, *optional*): what earlier calls on this model learnt; defaults to
+            `model.lookahead_state` (set by `enable_lookahead`), else a new state for this call only.
+        lookahead_streamer (`BaseStreamer`, *optional*): receives the prompt, then every accepted chunk.
+        lookahead_assistant_model (`PreTrainedModel`, *optional*): only checked, to refuse assisted decoding.
+        model_kwargs: the model keyword arguments `generate` prepared, the cache among them.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, length)` (finished rows padded with `pad_token_id`, as plain
+        `generate` pads them), or `LookaheadDecoderOnlyOutput` (`LookaheadEncoderDecoderOutput` for encoder-decoder
+        models) if `generation_config.return_dict_in_generate=True`.
+    """
+    config = lookahead_config
+    if config is None:
+        settings = (lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt)
+        settings += (lookahead_cache_commit, lookahead_memory, lookahead_memory_size, lookahead_memory_namespace)
+        arguments = dict(zip(LOOKAHEAD_FIELDS, settings, strict=True))
+        config = LookaheadConfig.from_sources(arguments, generation_config, default_window=DEFAULT_WINDOW)
+        if config is None:
+            raise ValueError(
+                '`lookahead_window="off"` turns lookahead decoding off, but `custom_generate=transformers_lookahead.'
+                "generate` is the lookahead decoding loop: remove `custom_generate` to decode without lookahead."
+            )
+    validate_lookahead_setup(model, generation_config, model_kwargs, lookahead_assistant_model)
+    if synced_gpus:
+        raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")
+    if lookahead_streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"Streaming supports one sequence; got a batch of {input_ids.shape[0]} rows (input rows x "
+            "`num_return_sequences`). With lookahead the rows advance by different numbers of tokens per step, so "
+            "there is no per-step token column to stream: generate the rows one at a time to stream them."
+        )
+    state = lookahead_state or getattr(model, "lookahead_state", None) or LookaheadState()
+    decoder = lookahead_decoder(
+        model, config, state, logits_processor, stopping_criteria, generation_config, model_kwargs, len(input_ids)
+    )
+    return decoder.run(input_ids, model_kwargs, lookahead_streamer)
+
+
+def lookahead_decoder(
+    model: PreTrainedModel,
+    config: LookaheadConfig,
+    state: LookaheadState,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    batch_size: int,
+) -> LookaheadDecoder:
+    """
+    The decoding loop of one call, with what it is built from decided here: how the model takes a step and the cache
+    keeps one, whether the model takes chain steps (`StepCheck`, at its first lookahead call), the planner (the
+    paper's fixed shape, or `"auto"`'s priced by the model's cost table), and the ranks' sync under tensor
+    parallelism.
+
+    Args:
+        model_kwargs (`dict`): what `generate` prepared: the cache, the padding mask, an encoder's outputs.
+        batch_size (`int`): rows of the batch (after `num_return_sequences`).
+    """
+    cache, encoder = model_kwargs.get("cache"), model_kwargs.get("encoder_outputs")
+    encoder_mask = model_kwargs.get("attention_mask") if encoder is not None else None
+    forward = StepForward(model, cache, encoder, encoder_mask)
+    committer = committer_for(forward.decoder_cache, config.cache_commit, type(model).__name__)
+    # Checked before anything runs the model for this call (the prefill, or measuring "auto"'s cost table).
+    padding = model_kwargs.get("attention_mask")
+    padded = padding is not None and not bool(padding.all())
+    chain = not forward.is_encoder_decoder and (
+        state.step_check.refuse_if_failing(model, padded, chain_steps=True) or isinstance(committer, ChainCommitter)
+    )
+    # Tensor-parallel ranks must take identical steps (see `RankSync`); `None` on one device.
+    sync = RankSync.for_model(model)
+    refeed = committer.strategy == "refeed"
+    do_sample = bool(generation_config.do_sample)
+    if config.adaptive:
+        # The cost table is per model, not per batch: an encoder-decoder model is timed over one input.
+        first_input = None
+        if forward.is_encoder_decoder:
+            first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
+        cost = state.cost_model(model, encoder_outputs=first_input, chain=chain)
+        if sync is not None:
+            cost = sync.agree(cost)
+        # `"auto"` learns from step durations, but not where the state says so, nor on tensor-parallel ranks.
+        timed = sync is None and state.follow_durations
+        planner = AdaptivePlanner(
+            model, config, state, do_sample, cost, batch_size=batch_size, timed=timed, sync=sync, refeed=refeed
+        )
+    else:
+        planner = StepPlanner(model, config, do_sample, refeed=refeed, observer=state.step_observer)
+    return LookaheadDecoder(
+        model,
+        config,
+        planner,
+        forward,
+        committer,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        layout=ChainLayout if chain else StepLayout,
+        sync=sync,
+    )

@@ -1,37 +1,31 @@
-"""The lookahead decoding loop, usable as `model.generate(..., custom_generate=transformers_lookahead.generate)`."""
+"""
+The lookahead decoding loop of one `generate` call (`LookaheadDecoder`): prefill, then steps of one forward pass each
+until every sequence has stopped, and `generate`'s outputs. What the loop is built with (the planner, the cache
+commit, chain steps, tensor-parallel ranks) is decided outside it, in `generation_mixin.generate`.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cache_commit import CacheCommitter
 from .compatibility import can_auto_compile, pad_token_id, prefill
-from .configuration_lookahead import LOOKAHEAD_FIELDS, LookaheadConfig, validate_lookahead_setup
-from .cost_model import COST_GRID, StepCostModel, padded_length
-from .lookahead_state import LookaheadState
-from .rank_sync import RankSync
-from .sequence_lookahead import LookaheadFactory, SequenceLookahead, SequenceStep
-from .step_check import LONGEST_CHAIN_CHECKED
-from .step_forward import StepForward, select_rows
-from .step_layout import ChainLayout, StepLayout, generate_position_shift
-from .step_policy import batch_step_length
+from .configuration_lookahead import LookaheadConfig
+from .sequence_lookahead import SequenceLookahead, SequenceStep, StepPlanner
+from .step_forward import StepForward
+from .step_layout import StepLayout, generate_position_shift, padded_length
 from .verification import Verdict, processors_for_row, read_choices
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
-
-
-# Used when lookahead is requested through `custom_generate` without any `lookahead_window`.
-DEFAULT_WINDOW = "auto"
 
 
 @dataclass
@@ -68,97 +62,14 @@ class LookaheadEncoderDecoderOutput(GenerateEncoderDecoderOutput):
     accepted_per_step: torch.LongTensor | None = None
 
 
-def generate(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    synced_gpus: bool = False,
-    lookahead_window: int | str | None = None,
-    lookahead_ngram: int | str | None = None,
-    lookahead_guess: int | str | None = None,
-    lookahead_pool_from_prompt: bool | None = None,
-    lookahead_cache_commit: str | None = None,
-    lookahead_memory: bool | None = None,
-    lookahead_memory_size: int | None = None,
-    lookahead_memory_namespace: str | None = None,
-    lookahead_config: LookaheadConfig | None = None,
-    lookahead_state: LookaheadState | None = None,
-    lookahead_streamer: BaseStreamer | None = None,
-    lookahead_assistant_model: PreTrainedModel | None = None,
-    **model_kwargs: Any,
-) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
-    r"""
-    Generates with lookahead decoding: each step runs one forward pass that both advances a Jacobi window of guesses
-    and verifies candidate n-grams from a pool, then accepts every verified token plus one. Greedy output is the
-    output of plain greedy decoding and sampled output follows the distribution of plain sampling, with the same
-    logits processors, warpers and stopping criteria.
-
-    `generate` calls this after preparing the inputs, either as a `custom_generate` callable
-    (`model.generate(..., custom_generate=transformers_lookahead.generate, lookahead_window=7)`) or through
-    `LookaheadGenerationMixin`. Settings come from `lookahead_config`, else from the `lookahead_*` arguments, else
-    from the `generation_config` fields of the same names.
-
-    Args:
-        model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks, or an
-            encoder-decoder model whose decoder also takes position ids (Whisper).
-        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the prompts (for encoder-decoder
-            models, the decoder's), left-padded as `generate` expects (the padding is read from
-            `model_kwargs["attention_mask"]`, for encoder-decoder models `model_kwargs["decoder_attention_mask"]`).
-        logits_processor (`LogitsProcessorList`): processors applied to every accepted position.
-        stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
-        generation_config (`GenerationConfig`): the resolved generation config.
-        synced_gpus (`bool`, *optional*, defaults to `False`): unsupported, must be False.
-        lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt, lookahead_cache_commit,
-        lookahead_memory, lookahead_memory_size, lookahead_memory_namespace (*optional*): the `LookaheadConfig`
-            fields of the same names (`window`, `ngram`, ...). Named here because Transformers passes a
-            `custom_generate` callable only the keyword arguments its signature names.
-        lookahead_config (`LookaheadConfig`, *optional*): the settings, already resolved (what
-            `LookaheadGenerationMixin` passes); the `lookahead_*` arguments above are then ignored.
-        lookahead_state (`LookaheadState`, *optional*): what earlier calls on this model learnt; defaults to
-            `model.lookahead_state` (set by `enable_lookahead`), else a new state for this call only.
-        lookahead_streamer (`BaseStreamer`, *optional*): receives the prompt, then every accepted chunk.
-        lookahead_assistant_model (`PreTrainedModel`, *optional*): only checked, to refuse assisted decoding.
-        model_kwargs: the model keyword arguments `generate` prepared, the cache among them.
-
-    Returns:
-        `torch.LongTensor` of shape `(batch_size, length)` (finished rows padded with `pad_token_id`, as plain
-        `generate` pads them), or `LookaheadDecoderOnlyOutput` (`LookaheadEncoderDecoderOutput` for encoder-decoder
-        models) if `generation_config.return_dict_in_generate=True`.
+class StepSync(Protocol):
     """
-    config = lookahead_config
-    if config is None:
-        settings = (lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt)
-        settings += (lookahead_cache_commit, lookahead_memory, lookahead_memory_size, lookahead_memory_namespace)
-        arguments = dict(zip(LOOKAHEAD_FIELDS, settings, strict=True))
-        config = LookaheadConfig.from_sources(arguments, generation_config, default_window=DEFAULT_WINDOW)
-        if config is None:
-            raise ValueError(
-                '`lookahead_window="off"` turns lookahead decoding off, but `custom_generate=transformers_lookahead.'
-                "generate` is the lookahead decoding loop: remove `custom_generate` to decode without lookahead."
-            )
-    validate_lookahead_setup(model, generation_config, model_kwargs, lookahead_assistant_model)
-    if synced_gpus:
-        raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")
-    if lookahead_streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError(
-            f"Streaming supports one sequence; got a batch of {input_ids.shape[0]} rows (input rows x "
-            "`num_return_sequences`). With lookahead the rows advance by different numbers of tokens per step, so "
-            "there is no per-step token column to stream: generate the rows one at a time to stream them."
-        )
-    lookahead_state = lookahead_state or getattr(model, "lookahead_state", None) or LookaheadState()
-    decoder = LookaheadDecoder(
-        model,
-        config,
-        logits_processor,
-        stopping_criteria,
-        generation_config,
-        model_kwargs,
-        lookahead_state,
-        len(input_ids),
-    )
-    return decoder.run(input_ids, model_kwargs, lookahead_streamer)
+    What keeps tensor-parallel ranks in step (`RankSync`): every rank must take the same step, whose shape decides
+    the collectives of its forward pass.
+    """
+
+    def check(self, step: int, fingerprint: int) -> None:
+        """Raises on every rank unless all ranks planned a step with this `fingerprint` (0: no step)."""
 
 
 class SequenceState(SequenceLookahead):
@@ -175,7 +86,7 @@ class SequenceState(SequenceLookahead):
         padding (`int`): the row's left padding.
         tokens (`list[int]`): the text past the padding: the prompt, then its first token where it fits.
         limit (`int`): the length the sequence may not exceed (`max_length`).
-        lookahead: its factory and verifier, as `SequenceLookahead` takes them.
+        lookahead: its planner and verifier, as `SequenceLookahead` takes them.
     """
 
     def __init__(
@@ -364,68 +275,40 @@ class LookaheadDecoder:
     Args:
         model (`PreTrainedModel`): the model.
         config (`LookaheadConfig`): the step shape.
+        planner (`StepPlanner`): how the sequences plan their steps (`AdaptivePlanner` for `"auto"`).
+        forward (`StepForward`): how the model takes a step.
+        committer (`CacheCommitter`): how a step's accepted entries are kept in the call's cache.
         logits_processor (`LogitsProcessorList`): applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
-        model_kwargs (`dict`): what `generate` prepared: the cache, the padding mask, an encoder's outputs.
-        state (`LookaheadState`): what earlier calls on the model learnt (the step check's verdicts among it).
-        batch_size (`int`, *optional*, defaults to 1): rows of the batch (after `num_return_sequences`).
+        layout (`type[StepLayout]`, *optional*): how steps are laid out: full steps (`StepLayout`), or chain steps
+            for a model that takes no full step (`ChainLayout`).
+        sync (`StepSync`, *optional*): keeps tensor-parallel ranks in step; `None` on one device.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         config: LookaheadConfig,
+        planner: StepPlanner,
+        forward: StepForward,
+        committer: CacheCommitter,
         logits_processor: LogitsProcessorList,
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
-        model_kwargs: dict[str, Any],
-        state: LookaheadState,
-        batch_size: int = 1,
+        layout: type[StepLayout] = StepLayout,
+        sync: StepSync | None = None,
     ):
         self.model = model
         self.config = config
+        self.planner = planner
+        self.forward = forward
+        self.committer = committer
         self.logits_processor = logits_processor
         self.generation_config = generation_config
-        self.state = state
-        cache, encoder = model_kwargs.get("cache"), model_kwargs.get("encoder_outputs")
-        encoder_mask = model_kwargs.get("attention_mask") if encoder is not None else None
-        self.forward = forward = StepForward(model, cache, encoder, encoder_mask)
-        self.committer = committer = CacheCommitter(forward.decoder_cache, config.cache_commit, type(model).__name__)
-        # Checked before anything runs the model for this call (the prefill, or measuring "auto"'s cost table). Chain
-        # steps (`ChainLayout`): the model, or the layers of the call's own cache, take no full step (`StepCheck`).
-        padding = model_kwargs.get("attention_mask")
-        padded = padding is not None and not bool(padding.all())
-        self.chain = not forward.is_encoder_decoder and (
-            state.step_check.refuse_if_failing(model, padded, chain_steps=True) or committer.chain_only
-        )
+        self.layout_class = layout
+        self.sync = sync
         self.stops = StopTracker(stopping_criteria, generation_config)
-        # Tensor-parallel ranks must take identical steps (see `RankSync`); `None` on one device.
-        self.sync = RankSync.for_model(model)
-        cost = None
-        if config.adaptive:
-            # The cost table is per model, not per batch: an encoder-decoder model is timed over one input.
-            first_input = None
-            if forward.is_encoder_decoder:
-                first_input = select_rows(forward.encoder_outputs, torch.tensor([0], device=model.device))
-            cost = self.state.cost_model(model, encoder_outputs=first_input, chain=self.chain)
-            if self.sync is not None:
-                cost = self.sync.agree(cost)
-        # Recurrent states cannot keep part of a step: its entries are kept whole ("gather") or the step is undone.
-        self.recurrent = committer.states is not None
-        self.strategy = "gather" if self.recurrent else config.cache_commit
-        self.factory = LookaheadFactory(
-            model,
-            config,
-            self.state,
-            bool(generation_config.do_sample),
-            cost,
-            batch_size=batch_size,
-            # `"auto"` learns from step durations, but not where the state says so, nor on tensor-parallel ranks.
-            timed=self.sync is None and self.state.follow_durations,
-            sync=self.sync,
-            refeed=self.strategy == "refeed",
-        )
         self.position_shift = generate_position_shift(model)
 
     def run(
@@ -435,70 +318,71 @@ class LookaheadDecoder:
         streamer: BaseStreamer | None,
     ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
         """Prefills the prompts, then runs steps until every sequence has stopped."""
-        # 1. Prefill: the prompts' first tokens, every sequence's lookahead, the cache's slot map.
         if streamer is not None:
             streamer.put(input_ids.cpu())
         sequences, slots = self._prefill(input_ids, model_kwargs, streamer)
         self.committer.start()
         self._choose_forward(model_kwargs)
-        layout = (ChainLayout if self.chain else StepLayout).for_model(
-            self.model, self.committer.cache, self.factory.window_size, self.config.levels
+        # Built once the prefill created the cache's layers, whose kinds decide the masks.
+        layout = self.layout_class.for_model(
+            self.model, self.committer.cache, self.planner.window_size, self.config.levels
         )
         forward_passes = 1
-        active = self._settle(sequences, sequences, slots)
+        active = self._drop_finished(sequences, sequences, slots)
         while True:
-            # 2. Plan: each running sequence's part of the step, within the length the batch settles on.
+            # Each running sequence's part of the step, within the length the batch settles on.
             plans = self._plan(active, layout) if active else []
             if self.sync is not None:
                 # Every rank takes this step, or stops here, together.
                 self.sync.check(forward_passes, step_fingerprint(plans))
             if not plans:
                 break
-            rows = [plan.row for plan in plans]
-            # 3. Forward: one pass for the batch, every part padded to the longest and masked.
-            step = layout.build(
-                self.committer.cache, rows, slots.valid, self._bucket(plans), self.committer.seq_length
-            )
-            self.committer.before_step(feeds_guesses=any(row.pending_length < step.length for row in rows))
-            started = time.perf_counter()
-            logits = self.forward(step)
+            self.step(plans, layout, slots, streamer)
             forward_passes += 1
-            # The step's one device-to-host transfer: the model's choice at every row it kept.
-            choices = read_choices(logits)
-            row_choices = [step.choices_of(b, choices) for b in range(len(plans))]
-            # 4. Verify each sequence's part, and append what it accepted until it stops.
-            verdicts = [
-                plan.sequence.verify(plan, step.logits_of(b, logits), row_choices[b]) for b, plan in enumerate(plans)
-            ]
-            if self.chain and len(plans) > 1:
-                # Chain steps leave positions to the model, which may number them by cache slot: every row keeps as
-                # many tokens (any prefix of a verdict is plain decoding's), so no row has an unused slot.
-                shortest = min(len(verdict.tokens) for verdict in verdicts)
-                verdicts = [verdict.truncated(shortest) for verdict in verdicts]
-            kept = [self._accept(plan.sequence, verdict, streamer) for plan, verdict in zip(plans, verdicts)]
-            # The choices reached the host, so on accelerators too the step has finished here.
-            elapsed = time.perf_counter() - started
-            # 5. Commit the kept entries to the cache, or undo a step a recurrent state cannot keep part of.
-            kept_rows = [
-                plan.row.kept_rows(verdict.nodes[: count - 1], self.strategy)
-                for plan, verdict, count in zip(plans, verdicts, kept)
-            ]
-            undone = self.recurrent and any(rows != list(range(step.length)) for rows in kept_rows)
-            if undone:
-                self.committer.undo(step.length)
-            else:
-                slots.add(self.committer.commit(step.length, kept_rows), kept_rows)
-            # 6. Learn: each sequence's policy, window and pool; the pricing, from the step's duration.
-            for plan, verdict, count, choices_of_row in zip(plans, verdicts, kept, row_choices):
-                plan.sequence.learn(plan, verdict, count, choices_of_row, undone=undone)
-            if self.factory.pricing is not None and self.factory.pricing.timed:
-                self.factory.pricing.observe(step.length, elapsed)
-            active = self._settle(sequences, active, slots)
+            active = self._drop_finished(sequences, active, slots)
 
         if streamer is not None:
             streamer.end()
-        self.factory.finish(sequences)
+        self.planner.finish(sequences)
         return self._outputs(sequences, forward_passes, slots)
+
+    def step(
+        self, plans: list[SequenceStep], layout: StepLayout, slots: SlotMap, streamer: BaseStreamer | None
+    ) -> None:
+        """
+        One lookahead step of the batch: one forward pass holding every sequence's planned part (its pending tokens,
+        Jacobi window and candidate tree), then each sequence's verified prefix plus one token appended, the cache
+        rolled forward over what they kept, and what the step taught.
+        """
+        rows = [plan.row for plan in plans]
+        # 1. Lay out: every part padded to the longest and masked, over the shared cache.
+        inputs = layout.build(self.committer.cache, rows, slots.valid, self._bucket(plans), self.committer.seq_length)
+        # 2. Forward, then the step's one device-to-host transfer: the model's choice at every row it kept.
+        self.committer.before_step(feeds_guesses=any(row.pending_length < inputs.length for row in rows))
+        started = time.perf_counter()
+        logits = self.forward(inputs)
+        choices = read_choices(logits)
+        row_choices = [inputs.choices_of(b, choices) for b in range(len(plans))]
+        # 3. Verify each part, and append what it accepted until the sequence stops.
+        verdicts = [
+            plan.sequence.verify(plan, inputs.logits_of(b, logits), row_choices[b]) for b, plan in enumerate(plans)
+        ]
+        verdicts = layout.even_out(verdicts)
+        kept = [self._accept(plan.sequence, verdict, streamer) for plan, verdict in zip(plans, verdicts)]
+        # The choices reached the host, so on accelerators too the step has finished here.
+        elapsed = time.perf_counter() - started
+        # 4. Commit the kept entries to the cache, or undo a step a recurrent state cannot keep part of.
+        kept_rows = [
+            plan.row.kept_rows(verdict.nodes[: count - 1], self.committer.strategy)
+            for plan, verdict, count in zip(plans, verdicts, kept)
+        ]
+        added, undone = self.committer.keep(inputs.length, kept_rows)
+        if not undone:
+            slots.add(added, kept_rows)
+        # 5. Learn: each sequence's window, pool and policy; the planner, from the step's duration.
+        for plan, verdict, count, choices_of_row in zip(plans, verdicts, kept, row_choices):
+            plan.sequence.learn(plan, verdict, count, choices_of_row, undone=undone)
+        self.planner.observe_step(inputs.length, elapsed)
 
     def _prefill(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], streamer: BaseStreamer | None
@@ -514,7 +398,7 @@ class LookaheadDecoder:
         # Every row has its processors to itself from the first token on: some keep state per batch row.
         processors = [processors_for_row(self.logits_processor, index, rows) for index in range(rows)]
         first_scores = torch.cat([processors[i](input_ids[i : i + 1], first[i : i + 1]) for i in range(rows)])
-        verifiers = self.factory.verifiers(processors)
+        verifiers = self.planner.verifiers(processors)
         if self.generation_config.do_sample:
             first_tokens = [
                 verifier.noise.sample(first_scores[index], input_ids.shape[1])
@@ -534,7 +418,7 @@ class LookaheadDecoder:
             if appended:
                 tokens.append(first_tokens[index])
             # Built from the prompt and its first token, as every later step sees the text.
-            sequence = SequenceState(index, row, padding, tokens, limit, self.factory, verifiers[index])
+            sequence = SequenceState(index, row, padding, tokens, limit, self.planner, verifiers[index])
             sequence.position_offset = padding if self.position_shift is None else self.position_shift
             if appended:
                 self.stops.record(sequence, first[index : index + 1], first_scores[index : index + 1])
@@ -548,21 +432,16 @@ class LookaheadDecoder:
         what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
         the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
         """
-        chain = LONGEST_CHAIN_CHECKED if self.chain else None
-        offers = [sequence.offer(chain) for sequence in active]
+        offers = [sequence.offer(layout) for sequence in active]
         # A static cache has room for so many more entries: the step must fit.
         room = self.committer.room()
         budget = None
-        adapts = active[0].policy.adapts
         if self.buckets is not None:
             # A compiled forward pass knows a few step shapes: one token, and each bucket length that fits the cache.
             fitting = tuple(length for length in self.buckets if room >= length)
-            if not fitting:
-                budget = 1
-            elif adapts:
-                budget = batch_step_length(offers, self.factory.pricing, (1, *fitting))
-        elif adapts and len(active) > 1:
-            budget = batch_step_length(offers, self.factory.pricing)
+            budget = self.planner.step_length(offers, (1, *fitting)) if fitting else 1
+        elif len(active) > 1:
+            budget = self.planner.step_length(offers)
         return [sequence.plan(offer, layout, budget, room) for sequence, offer in zip(active, offers)]
 
     def _accept(self, sequence: SequenceState, verdict: Verdict, streamer: BaseStreamer | None) -> int:
@@ -571,7 +450,7 @@ class LookaheadDecoder:
         self._stream(streamer, sequence, kept)
         return kept
 
-    def _settle(
+    def _drop_finished(
         self, sequences: list[SequenceState], active: list[SequenceState], slots: SlotMap
     ) -> list[SequenceState]:
         """Marks finished sequences and drops them from the batch; returns the sequences still running."""
@@ -583,7 +462,7 @@ class LookaheadDecoder:
             self.forward.select(keep)
             slots.keep(keep)
             # A smaller batch makes each extra token per row cheaper again.
-            self.factory.price_batch(len(running))
+            self.planner.price_batch(len(running))
         return running
 
     def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:
@@ -597,9 +476,7 @@ class LookaheadDecoder:
         if not self.committer.is_static or not can_auto_compile(model, model_kwargs, generation_config):
             return
         self.forward.compile(generation_config.compile_config)
-        longest = self.config.max_step_length(self.factory.window_size)
-        cost, tuning = self.factory.cost, self.state.tuning
-        self.buckets = compiled_buckets(cost, longest, tuning) if self.config.adaptive else (longest,)
+        self.buckets = self.planner.buckets(self.config.max_step_length(self.planner.window_size))
 
     def _bucket(self, plans: list[SequenceStep]) -> int | None:
         """The length a compiled step is padded to: the shortest bucket that holds its longest row."""
@@ -665,31 +542,6 @@ class LookaheadDecoder:
     def _stream(streamer: BaseStreamer | None, sequence: SequenceState, kept: int) -> None:
         if streamer is not None and kept:
             streamer.put(torch.tensor(sequence.tokens[-kept:]))
-
-
-def compiled_buckets(cost: StepCostModel, longest: int, tuning: AutoTuning = AUTO_TUNING) -> tuple[int, ...]:
-    """
-    The multi-token step lengths a compiled forward pass compiles, shortest first: the widest step this device runs
-    for at most `compiled_step_cost` one-token steps (on a GPU about all of it, a few tokens on a CPU), and below it
-    at most `compiled_buckets - 1` shorter lengths, each kept only where the next longer one costs at least
-    `compiled_bucket_ratio` times as much. A flat cost curve gives one bucket holding wide windows and many
-    candidates; a steep one, small buckets.
-
-    Args:
-        cost (`StepCostModel`): the device's step costs.
-        longest (`int`): the longest step the call's settings allow.
-        tuning (`AutoTuning`): the tuned constants.
-    """
-    affordable = [
-        length for length in COST_GRID if 4 <= length <= longest and cost(length) <= tuning.compiled_step_cost
-    ]
-    buckets = [max(affordable, default=min(4, longest))]
-    for length in sorted(affordable, reverse=True):
-        if len(buckets) == tuning.compiled_buckets:
-            break
-        if cost(buckets[-1]) >= tuning.compiled_bucket_ratio * cost(length):
-            buckets.append(length)
-    return tuple(sorted(buckets))
 
 
 def step_fingerprint(plans: list[SequenceStep]) -> int:

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedModel
 
+    from .adaptive_policy import PolicyEstimates
     from .step_layout import RowStep
-    from .step_policy import PolicyEstimates, StepChoice
+    from .step_policy import StepChoice
     from .verification import Verdict
 
 # Where suffix memories are kept between processes when the user did not choose (unset: nowhere).

@@ -9,12 +9,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.utils import logging
 
-from .cache_commit import CacheCommitter, chain_only_reason, token_count
+from .chain_steps import LONGEST_CHAIN_CHECKED, ChainCommitter, ChainLayout, chain_only_reason, committer_for
+from .compatibility import RECURRENT_LAYERS, DynamicLayer, is_shared_layer
 from .step_forward import StepForward, cache_argument
-from .step_layout import ChainLayout, RowStep, StepLayout, generate_position_shift
+from .step_layout import RowStep, StepLayout, generate_position_shift
 from .token_tree import TokenTree
 
 logger = logging.get_logger(__name__)
@@ -29,8 +30,6 @@ HALF_PRECISION_TOLERANCE = 0.05
 PREFIX_LENGTH = 5
 # The widest window a model declares that `StepCheck` still checks with a step as wide (one pass of that many tokens).
 LONGEST_WINDOW_CHECKED = 1024
-# The longest chain step `chain_failure` checks, and so the longest one `generate` takes.
-LONGEST_CHAIN_CHECKED = 16
 REMEDY = "Lookahead decoding is not available for this model; remove the `lookahead_*` settings to decode as usual."
 
 
@@ -213,6 +212,17 @@ def step_failure(model: PreTrainedModel) -> str | None:
     )
 
 
+def token_count(cache: Cache) -> int:
+    """
+    The tokens `cache` holds, as its first layer with an entry per token counts them (a recurrent layer's own count is
+    the model's to keep, and some models keep none).
+    """
+    for layer in cache.layers:
+        if not is_shared_layer(layer) and (type(layer) not in RECURRENT_LAYERS or isinstance(layer, DynamicLayer)):
+            return int(layer.get_seq_length())
+    return int(cache.get_seq_length())
+
+
 def chain_failure(model: PreTrainedModel) -> str | None:
     """
     Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can:
@@ -220,7 +230,7 @@ def chain_failure(model: PreTrainedModel) -> str | None:
     (chain steps are no longer: a model may choose among a long pass's keys otherwise, as an attention indexer
     does). The prefix is longer than the widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so
     that a model choosing among the pass's keys for its window (Doge) chooses otherwise than in one-token passes.
-    Where the cache holds recurrent states, the step is then undone (`CacheCommitter.undo`) and its tokens fed again
+    Where the cache holds recurrent states, the step is then undone (`ChainCommitter.undo`) and its tokens fed again
     one per pass: a state the model keeps beyond the cache's would show there.
     """
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -234,7 +244,7 @@ def chain_failure(model: PreTrainedModel) -> str | None:
         with torch.no_grad():
             plain = _one_token_passes(model, prefix, tokens)
             cache = _prefilled(model, prefix)
-            committer = CacheCommitter(cache, owner=type(model).__name__)
+            committer = committer_for(cache, owner=type(model).__name__)
             committer.start()
             committer.before_step(feeds_guesses=True)
             layout = ChainLayout.for_model(model)
@@ -245,7 +255,7 @@ def chain_failure(model: PreTrainedModel) -> str | None:
             chain = StepForward(model, cache)(layout.build(cache, [row]))[0].float()
             held = token_count(cache)
             again = None
-            if committer.states is not None:
+            if isinstance(committer, ChainCommitter) and committer.states is not None:
                 committer.undo(len(tokens))
                 start = len(prefix)
                 again = torch.stack([_plain_pass(model, [token], start + i, cache) for i, token in enumerate(tokens)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,6 +17,8 @@ from .token_tree import TokenTree
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
     from transformers import PreTrainedModel
+
+    from .verification import Verdict
 
 # How the masks reach the attention layers: additive float masks for eager and sdpa (a bool 4D mask is read
 # differently by the eager backend), `BlockMask`s for flex attention (a float mask would reach its kernel as a
@@ -301,6 +303,14 @@ class StepLayout(RowLayout):
         mask_format = MASK_FORMATS[attention_implementation(model)]
         return cls(window, levels, groups, model.dtype, model.device, mask_format)
 
+    def candidates(self, tree: TokenTree, window_allowed: bool, pending: int) -> tuple[TokenTree, bool]:
+        """What of a sequence's candidates (`tree`) and window a step holds, after `pending` tokens: all of them."""
+        return tree, window_allowed
+
+    def even_out(self, verdicts: list[Verdict]) -> list[Verdict]:
+        """The tokens each sequence keeps of its verdict: all of them (`ChainLayout` keeps as many in every row)."""
+        return verdicts
+
     def build(
         self,
         cache,
@@ -437,73 +447,14 @@ class StepLayout(RowLayout):
         return mask[:, None]
 
 
-class ChainLayout(StepLayout):
+def padded_length(length: int, buckets: tuple[int, ...] | int) -> int:
     """
-    Lays out chain steps, for models that compute a pass over several consecutive tokens as plain decoding computes
-    them one at a time but cannot take a full step (`StepCheck`): the pending tokens, then one candidate continuation,
-    at consecutive positions, no window. The attention mask is the 2D padding mask plain decoding passes (none for
-    one unpadded sequence), from which the model builds its own causal, sliding or chunked masks, with any attention
-    backend; a model that ignores `position_ids` and numbers tokens by cache slot is then fed exactly as plain
-    decoding feeds it, provided every sequence of a batch keeps as many tokens per step (no unused slots).
-
-    Args:
-        dtype (`torch.dtype`): the model's dtype.
-        device (`torch.device`): where the step tensors live.
-        pass_positions (`bool`, *optional*, defaults to `True`): whether steps carry `position_ids`; not for a model
-            `generate` leaves to number positions itself (`generate_position_shift`), as plain decoding does.
+    The length a fixed-shape pass runs `length` tokens as: the shortest of `generate`'s compiled `buckets` holding
+    them (the longest if none does), or the next multiple of a continuous-batching engine's padding interval.
     """
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, pass_positions: bool = True):
-        super().__init__(0, 0, AttentionGroup(0, None), dtype, device)
-        self.pass_positions = pass_positions
-
-    @classmethod
-    def for_model(
-        cls, model: PreTrainedModel, cache: Cache | None = None, window: int = 0, levels: int = 0
-    ) -> ChainLayout:
-        """The chain layout for `model` (a chain step has no window, so `cache`, `window` and `levels` are unused)."""
-        return cls(model.dtype, model.device, pass_positions=generate_position_shift(model) is not None)
-
-    def build(self, cache, rows: list[RowStep], *args, **kwargs) -> StepInputs:
-        """
-        As `StepLayout.build`, without position ids where the model numbers positions itself. The tokens padding a
-        shorter row continue its positions, as the tokens after it: a model that decides what a token sees by
-        position (an attention indexer choosing its keys) then finds them after it, as the 2D mask has them.
-        """
-        step = super().build(cache, rows, *args, **kwargs)
-        if not self.pass_positions:
-            return replace(step, position_ids=None)
-        shorter = [b for b, row in enumerate(rows) if row.length < step.length]
-        if not shorter:
-            return step
-        # No further than a position some row takes in this step (a table of learned positions ends somewhere);
-        # kept on the device, so that laying a step out never waits for it.
-        furthest = torch.stack([row.positions[-1] for row in rows]).max()
-        for b in shorter:
-            row = rows[b]
-            after = torch.arange(1, step.length - row.length + 1, device=self.device)
-            step.position_ids[b, row.length :] = torch.minimum(row.positions[-1] + after, furthest)
-        return step
-
-    def row(self, pending: list[int], position: int, window_tokens: list[int] | None, tree: TokenTree) -> RowStep:
-        """A chain step's row: `pending` and `tree`, which must be a single path, and no window."""
-        if window_tokens is not None or any(parent != node - 1 for node, parent in enumerate(tree.parents)):
-            raise ValueError("A chain step holds one candidate continuation (a single path) and no window.")
-        return super().row(pending, position, None, tree)
-
-    def _attention_mask(
-        self,
-        cache,
-        held: Callable[[int], int],
-        visible: torch.Tensor,
-        positions: torch.Tensor,
-        slot_valid: torch.BoolTensor | None,
-    ) -> torch.LongTensor | None:
-        if slot_valid is None:
-            return None
-        # Tokens padding a shorter row come after its own: causal masking already hides them from it.
-        step = torch.ones(positions.shape, dtype=torch.long, device=self.device)
-        return torch.cat([slot_valid.long(), step], dim=1)
+    if isinstance(buckets, int):
+        return -(-length // buckets) * buckets
+    return next((bucket for bucket in buckets if bucket >= length), buckets[-1])
 
 
 def generate_position_shift(model: PreTrainedModel) -> int | None:

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .suffix_memory import MemoryMatch
 
 
 @dataclass
@@ -71,14 +67,14 @@ class TokenTree:
             node = self.ensure_child(node, token, depth)
             self.in_context[node] = True
 
-    def add_memory(self, match: MemoryMatch, max_nodes: int) -> None:
+    def add_memory(self, match_length: int, continuations: Sequence[Sequence[int]], max_nodes: int) -> None:
         """
-        Merges the continuations the suffix memory proposed (`match`), most recent first, while the tree gains at most
-        `max_nodes` nodes, counting how many pass through each node.
+        Merges the continuations the suffix memory proposed after matching `match_length` tokens of the text, most
+        recent first, while the tree gains at most `max_nodes` nodes, counting how many pass through each node.
         """
         added = 0
-        self.memory_match = match.length
-        for continuation in match.continuations:
+        self.memory_match = match_length
+        for continuation in continuations:
             node, path = -1, []
             for depth, token in enumerate(continuation, start=1):
                 child = self.child(node, token)
