@@ -175,7 +175,7 @@ class SequenceLookahead:
         Moves past its part of a step (`step`), whose `verdict` it kept `kept` tokens of (`accept`; fewer where it
         stopped inside the chunk), given the model's `choices` at its rows: what its policy learns, its window's next
         Jacobi iteration, its pool's new n-grams and what its next step feeds first (`advance`; `undone`: the step
-        was undone, `CacheCommitter.undo`).
+        was undone, `CacheCommitter.keep`).
         """
         if self.planner.observer is not None:
             self.planner.observer(step.choice, step.row, verdict)
