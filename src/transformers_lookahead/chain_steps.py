@@ -249,10 +249,14 @@ class ChainCommitter(CacheCommitter):
             self.states.save()
 
     def keep(self, step_length: int, kept_rows: list[list[int]]) -> tuple[int, bool]:
-        if self.states is not None and any(rows != list(range(step_length)) for rows in kept_rows):
+        if not self._keeps_whole(step_length, kept_rows):
             self.undo(step_length)
             return 0, True
         return self.commit(step_length, kept_rows), False
+
+    def _keeps_whole(self, step_length: int, kept_rows: list[list[int]]) -> bool:
+        """Whether the step can be kept: without recurrent states any part of it, with them every token it fed."""
+        return self.states is None or all(rows == list(range(step_length)) for rows in kept_rows)
 
     def undo(self, step_length: int) -> None:
         """Drops the whole step, recurrent states put back."""
@@ -261,7 +265,7 @@ class ChainCommitter(CacheCommitter):
             self.states.restore()
 
     def commit(self, step_length: int, kept_rows: list[list[int]]) -> int:
-        if self.states is not None and any(rows != list(range(step_length)) for rows in kept_rows):
+        if not self._keeps_whole(step_length, kept_rows):
             raise RuntimeError("A step that did not keep every token it fed must be undone (`undo`) on this cache.")
         added = super().commit(step_length, kept_rows)
         if self.states is not None:
