@@ -5,7 +5,8 @@ lookahead strategy through a `custom_generate` repository or a model folder, and
     python stock_user.py '{"model": DIR, "routes": ["custom_generate", "model_folder"], "repo": DIR, ...}'
 
 Prints one JSON line: `plain` (token lists per prompt), `calls` (per route, per call settings, per prompt: tokens and
-forward passes, as the lookahead output counts them, else as a forward hook does), and whether this interpreter could
+forward passes, as the lookahead output counts them, else as a forward hook does, or the `ValueError` a route raised
+for the setting), and whether this interpreter could
 import `transformers_lookahead` at all. One process runs every route: the venv's imports and plain greedy once.
 """
 
@@ -36,7 +37,11 @@ def main(job: dict) -> dict:
             results = []
             for prompt in prompts:
                 passes.clear()
-                out = model.generate(prompt, **common, **route, **settings, return_dict_in_generate=True)
+                try:
+                    out = model.generate(prompt, **common, **route, **settings, return_dict_in_generate=True)
+                except ValueError as error:  # a setting the route refuses
+                    results.append({"error": str(error)})
+                    continue
                 # The lookahead loop counts its own passes (the first "auto" call also times ~84 passes to price steps).
                 counted = getattr(out, "num_forward_passes", None)
                 results.append(

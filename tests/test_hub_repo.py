@@ -21,7 +21,7 @@ from transformers.testing_utils import slow
 import transformers_lookahead
 from transformers_lookahead.configuration_lookahead import LOOKAHEAD_FIELDS
 from transformers_lookahead.lookahead_state import MEMORY_DIR_VARIABLE
-from transformers_lookahead.model_folder import ENTRY_MODULE, PACKAGE_DIR, custom_generate_files
+from transformers_lookahead.model_folder import FOLDER_ENTRY, HUB_ENTRY, PACKAGE_DIR, custom_generate_files
 from utils.build_hub_repo import build_hub_repo
 from utils.serving import ServeProcess, lookahead_folder
 from utils.stock_venv import run_in_stock_venv, stock_python
@@ -55,7 +55,7 @@ class CustomGenerateFolderTest(unittest.TestCase):
         for name, text in written.items():
             if name == "requirements.txt":
                 continue
-            module = ENTRY_MODULE if name == "generate.py" else name.removesuffix(".py")
+            module = HUB_ENTRY if name == "generate.py" else name.removesuffix(".py")
             self.assertEqual(text, (PACKAGE_DIR / f"{module}.py").read_text(), f"{name} differs from {module}.py")
 
     def test_transformers_collects_exactly_these_modules(self):
@@ -63,6 +63,19 @@ class CustomGenerateFolderTest(unittest.TestCase):
         modules = {path.name for path in self.folder.glob("*.py")} - {"generate.py"}
         self.assertEqual(collected, modules)
         self.assertNotIn("model_folder.py", modules, "the tooling that writes folders is not shipped in them")
+
+    def test_the_repository_is_the_core(self):
+        from .test_packaging import CORE_MODULES
+
+        modules = {path.stem for path in self.folder.glob("*.py")} - {"generate"}
+        self.assertEqual(modules | {HUB_ENTRY}, CORE_MODULES)
+        lines = sum(text.count("\n") for text in custom_generate_files().values())
+        folder_lines = sum(text.count("\n") for text in custom_generate_files(FOLDER_ENTRY).values())
+        self.assertLess(lines, folder_lines, "a model folder carries what the package adds")
+
+    def test_unknown_entry_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "`entry` must be one of"):
+            custom_generate_files("lookahead_decoding")
 
     def test_imports_only_what_a_stock_environment_has(self):
         for path in self.folder.glob("*.py"):
@@ -161,10 +174,16 @@ class StockTransformersTest(unittest.TestCase):
         for index, plain in enumerate(result["plain"]):
             new_tokens = len(plain) - len(self.prompts[index])
             self.assertEqual(new_tokens, self.MAX_NEW_TOKENS)
-            for name, call in (("window 4", lookahead), ("auto", auto), ("off", off)):
+            if route == "custom_generate":
+                # The repository is the core: fixed windows, and `"auto"` refused by name before any pass.
+                self.assertIn("transformers-lookahead", auto[index]["error"])
+                calls = (("window 4", lookahead), ("off", off))
+            else:
+                self.assertLess(auto[index]["passes"], new_tokens, 'multi-token steps with "auto"')
+                calls = (("window 4", lookahead), ("auto", auto), ("off", off))
+            for name, call in calls:
                 self.assertEqual(call[index]["tokens"], plain, f"{name}, prompt {index}")
             self.assertLess(lookahead[index]["passes"], new_tokens, "multi-token steps with lookahead_window=4")
-            self.assertLess(auto[index]["passes"], new_tokens, 'multi-token steps with "auto"')
             self.assertEqual(off[index]["passes"], new_tokens, "one pass per token with lookahead off")
 
     def test_custom_generate_repo_with_call_settings(self):

@@ -1,6 +1,7 @@
 import unittest
 
-from transformers_lookahead.ngram_pool import ContextIndex, NGramPool
+from transformers_lookahead.adaptive_planner import ContextIndex
+from transformers_lookahead.ngram_pool import NGramPool
 from transformers_lookahead.token_tree import TokenTree
 
 

@@ -44,9 +44,11 @@ STRATEGY_MODULES = {
     "cost_measurement",
     "cost_model",
     "engine_compatibility",
+    "folder_generate",
     "generation_mixin",
     "hub_generate",
     "lookahead_decoding",
+    "lookahead_generation",
     "lookahead_state",
     "lookahead_window",
     "model_folder",
@@ -65,11 +67,12 @@ STRATEGY_MODULES = {
 
 # The strategy's core (see `ImportGraphTest.test_the_core_imports_no_extension`).
 CORE_MODULES = {
-    "auto_tuning",
     "cache_commit",
     "compatibility",
     "configuration_lookahead",
+    "hub_generate",
     "lookahead_decoding",
+    "lookahead_generation",
     "lookahead_window",
     "ngram_pool",
     "sequence_lookahead",
@@ -180,14 +183,13 @@ class ImportGraphTest(unittest.TestCase):
 
     def test_the_core_imports_no_extension(self):
         # The loop and what one step is made of; everything else plugs in through the core's interfaces
-        # (`StepPlanner`, `CandidateSource`, `StepPolicy`, `StepSync`) and is never imported by it. `auto_tuning` holds
-        # the constants `lookahead_*="auto"` settings resolve to, and imports nothing.
+        # (`DecoderBuilder`, `StepPlanner`, `CandidateSource`, `StepPolicy`, `StepSync`) and is never imported by it.
         graph = package_imports(Path(transformers_lookahead.__file__).parent)
         for module in CORE_MODULES:
             self.assertLessEqual(graph[module], CORE_MODULES, module)
-        self.assertEqual(graph["auto_tuning"], set())
         extensions = (
             "adaptive_planner",
+            "auto_tuning",
             "chain_steps",
             "continuous_batching",
             "rank_sync",

@@ -45,6 +45,7 @@ def lookahead_folder(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from transformers_lookahead import save_lookahead_model, write_custom_generate
+    from transformers_lookahead.model_folder import FOLDER_ENTRY
 
     source = model_path(model, cache_dir)
     name = "serve-plain" if plain else f"serve-lookahead-{window}" + ("-memory" if memory else "")
@@ -54,7 +55,7 @@ def lookahead_folder(
     if (folder / "config.json").is_file():
         if not plain:
             # The entry point of the installed package, not of the one that wrote the folder.
-            write_custom_generate(folder)
+            write_custom_generate(folder, FOLDER_ENTRY)
         return folder
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -6,13 +6,13 @@ what a call leaves for the next one (`LookaheadState`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .adaptive_policy import AdaptiveStepPolicy, PolicyEstimates, batch_step_length, choose_window
 from .auto_tuning import AUTO_TUNING, AutoTuning
 from .cost_model import COST_GRID, StepPricing, padded_table
-from .ngram_pool import ContextIndex
 from .sequence_lookahead import CandidateSource, PoolCandidates, SequenceLookahead, StepPlanner
 from .step_policy import StepOffer
 
@@ -25,6 +25,43 @@ if TYPE_CHECKING:
     from .rank_sync import RankSync
     from .suffix_memory import SuffixMemory
     from .token_tree import TokenTree
+
+
+class ContextIndex:
+    """
+    Where each recent k-gram of the text last occurred, to copy what followed it (prompt lookup decoding's idea,
+    with a hash lookup instead of a scan). The longest suffix of the text (up to `max_match` tokens) seen earlier
+    proposes the tokens that followed its most recent earlier occurrence.
+
+    Args:
+        max_match (`int`): the longest suffix looked up.
+    """
+
+    def __init__(self, max_match: int = 3):
+        self.max_match = max_match
+        self._next_index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_match)]
+        self._indexed = 0
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Indexes the k-grams of `tokens` that gained a following token since the last call."""
+        for end in range(max(self._indexed, 1), len(tokens)):
+            # tokens[end - k : end] is followed by tokens[end]
+            for k in range(1, min(self.max_match, end) + 1):
+                self._next_index[k - 1][tuple(tokens[end - k : end])] = end
+        self._indexed = len(tokens)
+
+    def continuation(self, tokens: Sequence[int], length: int) -> list[int]:
+        """
+        Up to `length` tokens that followed the most recent earlier occurrence of the longest matching suffix of
+        `tokens` (which must have been passed to `update`), or an empty list.
+        """
+        if length < 1:
+            return []
+        for k in range(min(self.max_match, len(tokens) - 1), 0, -1):
+            start = self._next_index[k - 1].get(tuple(tokens[-k:]))
+            if start is not None:
+                return list(tokens[start : start + length])
+        return []
 
 
 class ContextCandidates(CandidateSource):

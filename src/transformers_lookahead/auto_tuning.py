@@ -10,6 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .configuration_lookahead import (
+    AUTO_CONTEXT_DEPTH,
+    AUTO_GUESS,
+    AUTO_MAX_WINDOW,
+    AUTO_NGRAM,
+    MEMORY_DEPTH,
+    MEMORY_NODES,
+)
+
 
 @dataclass(frozen=True)
 class AutoTuning:
@@ -49,12 +58,12 @@ class AutoTuning:
             cost table does until then).
     """
 
-    ngram: int = 5
-    guess: int = 8
-    context_depth: int = 8
-    max_window: int = 16
-    memory_depth: int = 16
-    memory_nodes: int = 32
+    ngram: int = AUTO_NGRAM
+    guess: int = AUTO_GUESS
+    context_depth: int = AUTO_CONTEXT_DEPTH
+    max_window: int = AUTO_MAX_WINDOW
+    memory_depth: int = MEMORY_DEPTH
+    memory_nodes: int = MEMORY_NODES
     window_cost_budget: float = 1.25
     compiled_step_cost: float = 1.7
     compiled_buckets: int = 3

@@ -21,22 +21,16 @@ from .configuration_lookahead import CACHE_COMMIT_STRATEGIES
 
 class EntryMoves:
     """
-    The copies a cache commit makes in every layer: in row b, the entry `start + index[b][j]` goes to `start + j`.
-    Built once per step and applied to each layer (`apply`), so the index tensors are built once per step. One row
-    moves by `index_select` and `index_copy_` (cheaper than a gather), several rows by one `gather` per tensor.
-
-    Args:
-        index (`list[list[int]]`): per row, the offsets from `start` of its entries, in their new order.
+    A commit's copies, in every layer: in row b, entry `start + index[b][j]` goes to `start + j`. The index tensors
+    are built once per step; one row moves by `index_select` / `index_copy_` (cheaper), several by `gather`.
     """
 
     def __init__(self, index: list[list[int]]):
         self.index = index
         self.width = len(index[0])
-        # Per layer start and device (one row) or per layer shape (several rows): the index tensors placed there.
         self._placed: dict[tuple, tuple[torch.LongTensor, ...]] = {}
 
     def apply(self, layer: CacheLayerMixin, start: int) -> None:
-        """Makes the moves in the layer's `keys` and `values` (batch, heads, positions, head_dim), in place."""
         device = layer.keys.device
         if len(self.index) == 1:
             key = (start, device)
@@ -57,10 +51,7 @@ class EntryMoves:
 
 
 def keep_cache_rows(cache: Cache, indices: torch.Tensor) -> None:
-    """
-    Keeps the batch rows `indices` of every layer (`Cache.batch_select_indices`, which recurrent layers lack: they
-    select their states, and a hybrid its attention part too, by `reorder_cache`).
-    """
+    """Keeps the batch rows `indices` of every layer (recurrent layers by `reorder_cache`)."""
     for layer in cache.layers:
         if type(layer) in RECURRENT_LAYERS:
             layer.reorder_cache(indices)
@@ -91,17 +82,11 @@ def unsupported_layer_message(owner: str, cache: Cache, layer: CacheLayerMixin) 
 
 class CacheCommitter:
     """
-    Keeps the KV entries of the tokens a step accepted and drops the rest.
-
-    After a step's forward pass the last `T` entries of every layer are the step's: its pending tokens, then the
-    window and the tree. `"gather"` copies the matched nodes' entries right after the pending tokens and crops the
-    rest (they were computed at their final positions and context: plain decoding's entries); `"refeed"` crops all
-    but the pending tokens and feeds the accepted ones again next step, never touching layer tensors.
-
-    Sliding-window layers keep their recent states until the crop (`activate_past_recording`). Static layers are
-    written in place and cropped back; their length lives on the device, so it is kept on the host (`seq_length`),
-    read once at `start` and moved by each commit. In a batch the cache grows by the most any sequence kept;
-    dynamic sliding layers stay compact instead (each sequence's tokens last in its row, as with left padding).
+    Keeps the KV entries of the tokens a step accepted and drops the rest. After a pass the last `T` entries of every
+    layer are the step's. `"gather"` copies the matched nodes' entries (computed at their final positions: plain
+    decoding's) right after the pending tokens and crops the rest; `"refeed"` crops all but the pending tokens and
+    feeds the accepted ones again. Sliding layers record their past until the crop; static layers' length is kept on
+    the host. In a batch the cache grows by the most any row kept; dynamic sliding layers keep each row's tokens last.
 
     Args:
         cache (`Cache`): a cache whose layers are among `ROLLBACK_LAYERS`.
@@ -129,18 +114,18 @@ class CacheCommitter:
 
     @staticmethod
     def takes(layer: CacheLayerMixin) -> bool:
-        """Whether a step's entries can be dropped from `layer` (layers sharing another's keys hold none)."""
+        """Whether a step's entries can be dropped from `layer` (shared layers hold none)."""
         return can_roll_back(layer) or is_shared_layer(layer)
 
     def seq_length(self, layer_idx: int = 0) -> int:
-        """The tokens layer `layer_idx` holds, as `Cache.get_seq_length` says, without reading the device."""
+        """`Cache.get_seq_length(layer_idx)`, without reading the device."""
         layer = self.cache.layers[layer_idx]
         if self._device_length is not None and length_on_device(layer):
             return self._device_length
         return self.cache.get_seq_length(layer_idx)
 
     def room(self) -> int | None:
-        """How many tokens the next step may feed: what the static buffers have left, `None` for dynamic caches."""
+        """The tokens the next step may feed: what static buffers have left; `None` for dynamic caches."""
         if not self.is_static:
             return None
         return min(
@@ -150,10 +135,7 @@ class CacheCommitter:
         )
 
     def start(self) -> None:
-        """
-        Called once after the prefill: from here on, sliding layers keep the states a crop may need, and the length
-        of static layers is kept on the host (the one time it is read from the device).
-        """
+        """After the prefill: sliding layers start recording, and static layers' length is read once."""
         lengths = {
             int(layer.get_seq_length())
             for layer in self.cache.layers
@@ -163,26 +145,19 @@ class CacheCommitter:
             raise RuntimeError(f"The static cache's full-attention layers hold different lengths: {sorted(lengths)}.")
         self._device_length = lengths.pop() if lengths else None
         for layer in self.cache.layers:
-            # Only sliding layers record their past, so that a crop can reach back past their window (a hybrid
-            # layer's recurrent part then records too, and `ChainCommitter` trims it).
+            # So that a crop reaches back past the window (a hybrid's recurrent part too; `ChainCommitter` trims it).
             if isinstance(layer, DynamicSlidingWindowLayer):
                 layer.activate_past_recording()
 
     def before_step(self, feeds_guesses: bool) -> None:
-        """
-        Called before every step's forward pass, with whether it feeds tokens that may not be kept (a step of pending
-        tokens alone is always kept). Nothing to keep here; `ChainCommitter` keeps recurrent states.
-        """
+        """Before each pass, with whether it feeds tokens that may not be kept (`ChainCommitter` saves states)."""
 
     def keep(self, step_length: int, kept_rows: list[list[int]]) -> tuple[int, bool]:
-        """
-        Keeps the step's accepted entries (`commit`), or undoes the whole step where the cache cannot keep part of
-        it (`ChainCommitter`); returns the slots added to every sequence and whether the step was undone.
-        """
+        """`commit`s the step (`ChainCommitter` may undo it instead); returns the slots added and whether undone."""
         return self.commit(step_length, kept_rows), False
 
     def undo(self, step_length: int) -> None:
-        """Drops the whole step: every layer as it was before it, so the step's tokens must be fed again."""
+        """Drops the whole step: its tokens must be fed again."""
         for layer in self.cache.layers:
             self._crop(layer, -step_length)
         if self._device_length is not None:
@@ -190,20 +165,9 @@ class CacheCommitter:
 
     def commit(self, step_length: int, kept_rows: list[list[int]]) -> int:
         """
-        Keeps, for each sequence of the batch, the entries of its `kept_rows` (in order) right after the cache as it
-        was before the step, and drops the rest of the step.
-
-        Sequences keep different numbers of tokens; every sequence gets `A = max(len(rows))` new slots, and a
-        sequence that keeps fewer leaves the remainder of its slots unused: the caller masks them out in every later
-        step (see `LookaheadDecoder`).
-
-        Args:
-            step_length (`int`): T, the tokens of the step's forward pass.
-            kept_rows (`list[list[int]]`): per sequence, the step rows to keep: its pending tokens, then (for
-                `"gather"`) the accepted tree nodes. Each list is non-empty.
-
-        Returns:
-            `int`: A, the slots added to every sequence.
+        Keeps each row's `kept_rows` (non-empty, in order) right after the cache as it was, and drops the rest of the
+        step of `step_length` tokens. Every row gets `A = max(len(rows))` slots, the unused ones masked later
+        (`SlotMap`); returns A.
         """
         added = max(len(rows) for rows in kept_rows)
         uneven = any(len(rows) != added for rows in kept_rows)
@@ -217,9 +181,8 @@ class CacheCommitter:
             # The step was written right after what the layer held before it.
             start = self._device_length if length_on_device(layer) else layer_step_start(layer, step_length)
             if isinstance(layer, DynamicSlidingWindowLayer) and uneven:
-                # Rows kept different counts: right-align each row (filler, the row as it was, then what it kept).
-                # With even counts the plain moves below already leave every row right-aligned, without copying
-                # the whole window every step.
+                # Uneven counts: right-align each row (filler, the row as it was, what it kept); even counts
+                # already leave them so without copying the whole window.
                 index = [
                     [0] * (added - len(rows)) + list(range(start)) + [start + row for row in rows]
                     for rows in kept_rows

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .auto_tuning import AUTO_TUNING
 from .compatibility import attention_implementation
 
 if TYPE_CHECKING:
@@ -18,9 +17,8 @@ if TYPE_CHECKING:
 
 CACHE_COMMIT_STRATEGIES = ("gather", "refeed")
 
-# Attention backends that apply an arbitrary 4D mask (flex attention as a `BlockMask`). Every other backend (flash
-# attention in particular) rebuilds a causal mask from the sequence layout and would silently let the lookahead
-# branches see each other.
+# Backends that apply an arbitrary 4D mask; the others (flash attention) rebuild a causal one, letting branches see
+# each other.
 SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
@@ -28,20 +26,26 @@ DEFAULT_NGRAM = 5
 AUTO = "auto"
 # `lookahead_window="off"` turns lookahead off for a call even where the model's generation config turns it on.
 OFF = "off"
-# The suffix memory (see `SuffixMemory`): tokens kept per namespace (0.4-0.75 KiB each in Python objects).
+# The suffix memory's tokens per namespace (0.4-0.75 KiB each).
 DEFAULT_MEMORY_SIZE = 65536
 DEFAULT_MEMORY_NAMESPACE = "default"
-# Upper bounds, checked before any compute, so that no call (or server request) can ask for a step or a memory the
-# machine cannot hold: a window of 20,000 with N=5 would be a step of ~80,000 tokens and a float mask of ~25 GB.
-# The paper's largest settings (W=15, N=5, G=15 on an A100) fit well inside them.
+# Bounds checked before any compute, so no request asks for a step or memory the machine cannot hold (W=20,000, N=5
+# would be a mask of ~25 GB); the paper's largest settings (W=15, N=5, G=15) fit well inside.
 MAX_WINDOW = 64
 MAX_NGRAM = 16
 MAX_GUESS = 64
-# About 0.75 GiB of host memory per namespace at the measured 0.4-0.75 KiB per token.
 MAX_MEMORY_SIZE = 1 << 20
-# The most tokens one sequence's step may feed (`LookaheadConfig.max_step_length`): a step's attention mask and
-# activations grow with it, and far wider steps than this only pay on no hardware we measured.
+# The most tokens one sequence's step may feed: its mask and activations grow with it.
 MAX_STEP_TOKENS = 1024
+# What `"auto"` resolves to, and the bounds of its steps (`auto_tuning.AutoTuning` reads them): N and G, the widest
+# window it runs, the longest continuation copied from the context, and the suffix memory's deepest continuation and
+# most nodes per step.
+AUTO_NGRAM = 5
+AUTO_GUESS = 8
+AUTO_MAX_WINDOW = 16
+AUTO_CONTEXT_DEPTH = 8
+MEMORY_DEPTH = 16
+MEMORY_NODES = 32
 # Namespaces name memory files: letters, digits, `.`, `_` and `-`, not starting with a dot.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -49,40 +53,23 @@ NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 @dataclass(frozen=True)
 class LookaheadConfig:
     """
-    The shape of one lookahead decoding step.
+    The shape of one lookahead decoding step; the `lookahead_*` fields of `GenerationConfig` without the prefix.
 
     Args:
-        window (`int` or `"auto"`):
-            W, the number of Jacobi window columns: how many future positions are guessed in parallel. Must be >= 1.
-            (`"off"` in a `generate` call or a generation config turns lookahead off: no `LookaheadConfig` is
-            built.) `"auto"` picks W from the measured cost of a forward pass on this device and lets each step choose
-            whether to run the window and which candidates to verify (see `AdaptiveStepPolicy`).
-        ngram (`int` or `"auto"`):
-            N, the n-gram size. The window has N - 1 levels and every candidate n-gram proposes N - 1 tokens.
-            Must be >= 2. `"auto"` is 5.
-        guess (`int` or `"auto"`):
-            G, the most candidate n-grams verified per step (also the most n-grams kept per key in the pool).
-            0 disables the verification branch. Must be >= 0. Defaults to W; `"auto"` is 8.
-        pool_from_prompt (`bool`):
-            Whether the n-gram pool is seeded with the n-grams of the prompt and of the accepted text. Text the
-            model repeats from its context (code, names, quoted passages) is then verified from the first step,
-            before the Jacobi window has produced anything useful.
-        cache_commit (`str`):
-            How the accepted tokens' KV entries are kept: `"gather"` copies them out of the step's entries,
-            `"refeed"` drops them and feeds the accepted tokens again in the next step (see `CacheCommitter`).
-        memory (`bool`, *optional*):
-            Whether the step also verifies continuations from the suffix memory: the prompts and outputs of earlier
-            calls on the model (see `SuffixMemory`), and whether this call's sequences are added to it when it ends.
-            Off by default on every route (in this process, a model folder, the Hub, servers): one model may answer
-            many users, and a shared memory would let one user's text shape another's candidates and timing. Only
-            with `window="auto"`, whose policy verifies only what pays; a fixed window verifies every candidate and
-            cannot take the memory's variable tree (True is refused there).
-        memory_size (`int`):
-            The most tokens the memory of `memory_namespace` keeps (>= 1); the oldest calls' sequences are evicted
-            first. Each token costs 0.4-0.75 KiB of host memory (more for less repetitive text).
-        memory_namespace (`str`):
-            Which memory of the model the call reads and feeds: calls of different namespaces (users, tenants) never
-            see each other's text. 1 to 64 letters, digits, `.`, `_` or `-`.
+        window (`int` or `"auto"`): W >= 1, the Jacobi window's columns. `"auto"` picks W from the measured cost of a
+            pass on this device and lets each step choose its window and candidates. (`"off"` in a call or a
+            generation config turns lookahead off: no `LookaheadConfig` is built.)
+        ngram (`int` or `"auto"`): N >= 2: the window's N - 1 levels and the candidates' length. `"auto"` is 5.
+        guess (`int` or `"auto"`): G >= 0, the most candidates verified per step and kept per pool key (0: none).
+            Defaults to W; `"auto"` is 8.
+        pool_from_prompt (`bool`): seed the pool with the n-grams of the prompt and the accepted text, so text the
+            model repeats from its context is verified from the first step.
+        cache_commit (`str`): `"gather"` copies the accepted entries out of the step's; `"refeed"` feeds the accepted
+            tokens again (`CacheCommitter`).
+        memory (`bool`): also verify continuations from the suffix memory of earlier calls, and add this call's
+            sequences to it. Off on every route (one model may answer many users); `"auto"` only.
+        memory_size (`int`): the most tokens the namespace's memory keeps (0.4-0.75 KiB each); oldest evicted first.
+        memory_namespace (`str`): which memory the call reads and feeds (1 to 64 letters, digits, `.`, `_`, `-`).
     """
 
     window: int | str
@@ -98,10 +85,10 @@ class LookaheadConfig:
         if self.window != AUTO:
             _check_int("lookahead_window", self.window, 1, MAX_WINDOW, also=f'"{AUTO}", or "{OFF}" to turn it off')
         if self.ngram == AUTO:
-            object.__setattr__(self, "ngram", AUTO_TUNING.ngram)
+            object.__setattr__(self, "ngram", AUTO_NGRAM)
         _check_int("lookahead_ngram", self.ngram, 2, MAX_NGRAM)
         if self.guess == AUTO or (self.guess is None and self.window == AUTO):
-            object.__setattr__(self, "guess", AUTO_TUNING.guess)
+            object.__setattr__(self, "guess", AUTO_GUESS)
         elif self.guess is None:
             object.__setattr__(self, "guess", self.window)
         _check_int("lookahead_guess", self.guess, 0, MAX_GUESS)
@@ -138,44 +125,29 @@ class LookaheadConfig:
 
     @property
     def adaptive(self) -> bool:
-        """Whether each step's content is chosen by the adaptive policy (`lookahead_window="auto"`)."""
+        """Whether each step is chosen by the adaptive policy (`"auto"`)."""
         return self.window == AUTO
 
     @property
     def levels(self) -> int:
-        """Number of window levels (N - 1), which is also the length of every candidate n-gram after its key."""
+        """N - 1: the window's levels and each candidate's length after its key."""
         return self.ngram - 1
 
     def max_step_length(self, window: int | None = None) -> int:
-        """
-        The most tokens one sequence's step can feed.
-
-        Args:
-            window (`int`, *optional*): the window width in use; by default `window`, or the widest `"auto"` picks.
-        """
-        window = window if window is not None else (AUTO_TUNING.max_window if self.adaptive else self.window)
-        context = AUTO_TUNING.context_depth if self.adaptive else 0
-        memory = AUTO_TUNING.memory_nodes if self.memory else 0
-        deepest = max(context, AUTO_TUNING.memory_depth if memory else 0)
+        """The most tokens one sequence's step can feed with `window` (default: the config's, or `"auto"`'s widest)."""
+        window = window if window is not None else (AUTO_MAX_WINDOW if self.adaptive else self.window)
+        context = AUTO_CONTEXT_DEPTH if self.adaptive else 0
+        memory = MEMORY_NODES if self.memory else 0
+        deepest = max(context, MEMORY_DEPTH if memory else 0)
         pending = 1 if self.cache_commit == "gather" else self.levels + 1 + deepest
         return pending + window * self.levels + self.guess * self.levels + context + memory
 
     @classmethod
     def from_sources(cls, *sources: Any, default_window: int | str | None = None) -> LookaheadConfig | None:
         """
-        Builds the configuration from the first source that sets each field.
-
-        Args:
-            sources:
-                Mappings (`generate` keyword arguments) or objects with attributes (`GenerationConfig`), highest
-                priority first. `None` values count as unset.
-            default_window (`int` or `"auto"`, *optional*):
-                The window when no source sets `lookahead_window` (what a `custom_generate` entry point uses).
-
-        Returns:
-            `LookaheadConfig` or `None`: `None` when lookahead is off: `lookahead_window` is unset (and there is no
-            default), or set to `"off"` by the highest-priority source that sets it (what turns a saved setting off
-            for one call or one request).
+        The configuration from the first of `sources` (mappings or `GenerationConfig`s, highest priority first;
+        `None` is unset) that sets each field, with `default_window` where none sets the window. `None` when
+        lookahead is off: no window, or `"off"` from the highest-priority source that sets one.
         """
         values = {field: first_set(field, *sources) for field in LOOKAHEAD_FIELDS}
         values = {field: value for field, value in values.items() if value is not None}
@@ -194,17 +166,12 @@ class LookaheadConfig:
         return cls(**{field.removeprefix("lookahead_"): value for field, value in values.items()})
 
 
-# The fields lookahead decoding reads from `GenerationConfig` (or from `generate(**kwargs)`): `LookaheadConfig`'s,
-# prefixed.
+# The fields read from `GenerationConfig` and `generate(**kwargs)`.
 LOOKAHEAD_FIELDS = tuple(f"lookahead_{field.name}" for field in fields(LookaheadConfig))
 
 
 def first_set(name: str, *sources: Any) -> Any:
-    """
-    The value of `name` in the first of `sources` that sets it (`generate` keyword arguments as a mapping, generation
-    configs as objects, highest priority first; `None` counts as unset and is skipped, as is a `None` source), or
-    `None`.
-    """
+    """`name` in the first of `sources` (mappings or objects, highest priority first) that sets it to non-`None`."""
     for source in sources:
         value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
         if value is not None:
@@ -219,12 +186,7 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int, also: str | No
 
 
 def check_cache_implementation(cache_implementation: str | None) -> None:
-    """
-    Refuses a `cache_implementation` whose cache cannot be rolled back after a step.
-
-    Raises:
-        `ValueError` naming the setting and the supported values.
-    """
+    """Refuses a `cache_implementation` whose cache cannot be rolled back after a step."""
     if cache_implementation in SUPPORTED_CACHE_IMPLEMENTATIONS:
         return
     if "offloaded" in str(cache_implementation):
@@ -242,12 +204,7 @@ def check_cache_implementation(cache_implementation: str | None) -> None:
 
 
 def check_attention_implementation(model: PreTrainedModel) -> None:
-    """
-    Refuses attention backends that cannot apply a lookahead step's mask on the model's device.
-
-    Raises:
-        `ValueError` naming the backend and the ones to use instead.
-    """
+    """Refuses attention backends that cannot apply a step's mask on the model's device."""
     attn = attention_implementation(model)
     if attn not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
@@ -256,8 +213,6 @@ def check_attention_implementation(model: PreTrainedModel) -> None:
             "e.g. `model.set_attn_implementation('sdpa')`."
         )
     if attn == "flex_attention" and model.device.type == "cpu":
-        # Found with PyTorch 2.13: after a few lookahead steps (queries of 17-33 tokens over the cache), the next
-        # prefill's flex kernel fails to compile for the CPU (`CppCompileError`), plain decoding included.
         raise ValueError(
             "Lookahead decoding with attn_implementation='flex_attention' is not available on the CPU: PyTorch's "
             "CPU flex attention kernels fail to compile for the mix of step shapes lookahead produces. Use 'sdpa' "
@@ -271,18 +226,7 @@ def validate_lookahead_setup(
     model_kwargs: dict[str, Any],
     assistant_model: PreTrainedModel | None = None,
 ) -> None:
-    """
-    Refuses, before any forward pass, the settings lookahead decoding cannot honour exactly.
-
-    Args:
-        model (`PreTrainedModel`): the model `generate` was called on.
-        generation_config (`GenerationConfig`): the fully resolved generation config of the call.
-        model_kwargs (`dict`): the model keyword arguments `generate` prepared (cache, attention mask, ...).
-        assistant_model (`PreTrainedModel`, *optional*): the assistant passed to `generate`, if any.
-
-    Raises:
-        `ValueError` naming the conflicting setting and what to use instead.
-    """
+    """Refuses, before any forward pass, what lookahead cannot honour exactly, naming the setting and the way out."""
     if model.config.is_encoder_decoder and "decoder_position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(
             f"{type(model).__name__} is an encoder-decoder model whose decoder takes no `decoder_position_ids`. "

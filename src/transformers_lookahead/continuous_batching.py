@@ -2,9 +2,10 @@
 Lookahead decoding inside Transformers' continuous batching (`generate_batch`, `init_continuous_batching`).
 
 Each decoding request contributes a block instead of one token: its pending token, window and candidates
-(`StepLayout.row`), masked over its own paged KV. The step verifies every request on its own, moves the accepted
+(`RowLayout.row`), masked over its own paged KV. The step verifies every request on its own, moves the accepted
 entries into place in its pages and gives back the pages past them. Prefill, scheduling and requests joining and
-leaving stay Transformers' own; every reach into its internals is in `compatibility.py`.
+leaving stay Transformers' own. The engine's methods it takes over and its page moves are in
+`engine_compatibility.py`; the request states, the batch's input tensors and the scheduler are read here.
 """
 
 from __future__ import annotations

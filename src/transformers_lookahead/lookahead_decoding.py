@@ -1,8 +1,4 @@
-"""
-The lookahead decoding loop of one `generate` call (`LookaheadDecoder`): prefill, then steps of one forward pass each
-until every sequence has stopped, and `generate`'s outputs. What the loop is built with (the planner, the cache
-commit, chain steps, tensor-parallel ranks) is decided outside it, in `generation_mixin.generate`.
-"""
+"""The lookahead decoding loop of one `generate` call: prefill, then one forward pass per step, then the outputs."""
 
 from __future__ import annotations
 
@@ -34,11 +30,9 @@ class LookaheadDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     `GenerateDecoderOnlyOutput` plus what lookahead decoding did.
 
     Args:
-        num_forward_passes (`int`): forward passes of the model, the prefill included (one per step for the whole
-            batch).
-        accepted_per_step (`tuple[int]` or `tuple[tuple[int]]`): tokens added to the sequence by each decoding step
-            after the prefill; for a batch of several rows, one such tuple per row (rows that finish early have
-            fewer steps).
+        num_forward_passes (`int`): forward passes, the prefill included (one per step for the whole batch).
+        accepted_per_step (`tuple[int]` or `tuple[tuple[int]]`): tokens each step after the prefill added; one tuple
+            per row for a batch.
     """
 
     num_forward_passes: int | None = None
@@ -48,14 +42,11 @@ class LookaheadDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 @dataclass
 class LookaheadEncoderDecoderOutput(GenerateEncoderDecoderOutput):
     """
-    `GenerateEncoderDecoderOutput` plus what lookahead decoding did, one row per sequence (Whisper's `generate`
-    splits every output field by batch row).
+    `GenerateEncoderDecoderOutput` plus what lookahead decoding did, per row (Whisper splits every field by row).
 
     Args:
-        num_forward_passes (`torch.LongTensor` of shape `(batch_size,)`): decoder forward passes each sequence took
-            part in, the prefill included.
-        accepted_per_step (`torch.LongTensor` of shape `(batch_size, steps)`): tokens each decoding step after the
-            prefill added to each sequence; 0 after a sequence finished.
+        num_forward_passes (`torch.LongTensor` of shape `(batch_size,)`): passes each row took part in.
+        accepted_per_step (`torch.LongTensor` of shape `(batch_size, steps)`): tokens each step added, 0 once done.
     """
 
     num_forward_passes: torch.LongTensor | None = None
@@ -63,10 +54,7 @@ class LookaheadEncoderDecoderOutput(GenerateEncoderDecoderOutput):
 
 
 class StepSync(Protocol):
-    """
-    What keeps tensor-parallel ranks in step (`RankSync`): every rank must take the same step, whose shape decides
-    the collectives of its forward pass.
-    """
+    """Keeps tensor-parallel ranks taking the same steps (`RankSync`): a step's shape decides its collectives."""
 
     def check(self, step: int, fingerprint: int) -> None:
         """Raises on every rank unless all ranks planned a step with this `fingerprint` (0: no step)."""
@@ -74,18 +62,16 @@ class StepSync(Protocol):
 
 class SequenceState(SequenceLookahead):
     """
-    One sequence of the batch: its lookahead (`SequenceLookahead`), its text as gpt-fast keeps it, and what
-    `generate` returns of it. The text is a buffer on the model's device, preallocated for the longest text and
-    holding the row's left padding (`input_ids`, a view of the length in use, is what processors, stopping criteria
-    and the output read); `tokens` mirrors it past the padding as host integers; `append` and `truncate` change both.
-    `length` and `limit` count the padding.
+    One row of the batch: its lookahead, and its text in a preallocated device buffer holding its left padding
+    (`input_ids`, what processors, criteria and the output read), mirrored past the padding in `tokens`. `length` and
+    `limit` count the padding.
 
     Args:
-        index (`int`): the sequence's row in the batch `generate` was called with.
-        row (`torch.LongTensor` of shape `(1, length)`): the prompt as plain `generate` holds it (`padding` included).
+        index (`int`): the row in the batch `generate` was called with.
+        row (`torch.LongTensor` of shape `(1, length)`): the prompt, padding included.
         padding (`int`): the row's left padding.
         tokens (`list[int]`): the text past the padding: the prompt, then its first token where it fits.
-        limit (`int`): the length the sequence may not exceed (`max_length`).
+        limit (`int`): `max_length`.
         lookahead: its planner and verifier, as `SequenceLookahead` takes them.
     """
 
@@ -116,21 +102,13 @@ class SequenceState(SequenceLookahead):
         self.tokens.append(token)
 
     def truncate(self, length: int) -> None:
-        """Cuts the sequence to `length` tokens (padding included)."""
         del self.tokens[max(0, length - self.padding) :]
 
 
 class TokenStoppingCriteria:
     """
-    `generate`'s default stopping criteria (`MaxLengthCriteria`, `EosTokenCriteria`), decided on the host from a
-    sequence's length and its last token: lookahead checks them after every accepted token, and the criteria list
-    builds tensors at every call.
-
-    Args:
-        max_length (`int` or `None`): `MaxLengthCriteria.max_length`.
-        eos_token_ids (`set[int]`): `EosTokenCriteria.eos_token_id`'s tokens.
-        max_position_embeddings (`int` or `None`): past this length `MaxLengthCriteria` logs a warning, so the
-            criteria themselves decide there.
+    `generate`'s default criteria (`MaxLengthCriteria`, `EosTokenCriteria`) decided on the host from a length and a
+    last token: they are checked after every accepted token, and the list builds tensors at every call.
     """
 
     def __init__(self, max_length: int | None, eos_token_ids: set[int], max_position_embeddings: int | None):
@@ -155,25 +133,14 @@ class TokenStoppingCriteria:
         return cls(max_length, eos_token_ids, max_position_embeddings)
 
     def __call__(self, length: int, token: int) -> bool | None:
-        """
-        Whether the criteria fire on a sequence of `length` tokens (padding included) that ends with `token`, or
-        `None` where the criteria list must be asked instead.
-        """
+        """Whether they fire at `length` tokens ending in `token`; `None`: ask the list (it warns past the positions)."""
         if self.max_position_embeddings is not None and length > self.max_position_embeddings:
             return None
         return token in self.eos_token_ids or (self.max_length is not None and length >= self.max_length)
 
 
 class StopTracker:
-    """
-    Where each sequence stops, as plain decoding decides it: the stopping criteria after every appended token (on
-    the host where they are the default ones, `TokenStoppingCriteria`), with that token's logits and scores kept
-    for the outputs where asked.
-
-    Args:
-        stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
-        generation_config (`GenerationConfig`): whether scores and logits are returned.
-    """
+    """Where each sequence stops, as plain decoding decides it, keeping each token's logits and scores where asked."""
 
     def __init__(self, stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig):
         self.stopping_criteria = stopping_criteria
@@ -203,9 +170,8 @@ class StopTracker:
 
     def mark_finished(self, sequences: list[SequenceState]) -> None:
         """
-        Marks finished sequences. With an EOS criterion a sequence ends where its criteria fired. Without one, plain
-        decoding runs every sequence to the length at which the last one's criteria fired: once that length is
-        known, sequences run to it and are cut there.
+        Marks finished sequences: where their criteria fired with an EOS criterion; without one, plain decoding runs
+        every sequence to the length where the last one's fired, so once that is known they run to it and are cut.
         """
         for sequence in sequences:
             if sequence.stopped_at is not None and (self.has_eos or sequence.length >= sequence.limit):
@@ -222,12 +188,8 @@ class StopTracker:
 
 class SlotMap:
     """
-    Which slots of the shared cache hold a token of which row: left padding and the slots a row left unused (it
-    accepted fewer tokens than the row that accepted the most) hold none, so every later mask hides them. `None`
-    (`valid`) for one unpadded row, whose every slot is its own.
-
-    Args:
-        valid (`torch.BoolTensor` of shape `(rows, slots)`, *optional*): the map.
+    Which slots of the shared cache hold a token of which row (`valid`, `(rows, slots)`): padding and the slots a row
+    left unused (it accepted fewer than the row that accepted the most) are masked. `None` for one unpadded row.
     """
 
     def __init__(self, valid: torch.BoolTensor | None):
@@ -237,7 +199,6 @@ class SlotMap:
     def after_prefill(
         cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, static_cache: bool
     ) -> SlotMap:
-        """The map after the prefill of `input_ids` (padded where `attention_mask` says)."""
         if input_ids.shape[0] == 1 and attention_mask is None:
             return cls(None)
         if static_cache and input_ids.shape[0] > 1:
@@ -251,39 +212,32 @@ class SlotMap:
         return cls(attention_mask.bool())
 
     def add(self, added: int, kept_rows: list[list[int]]) -> None:
-        """Adds a step's `added` slots, of which each row holds as many as it kept (`kept_rows`)."""
         if self.valid is not None:
             kept = torch.tensor([len(rows) for rows in kept_rows], device=self.valid.device)
             new_slots = torch.arange(added, device=self.valid.device)[None, :] < kept[:, None]
             self.valid = torch.cat([self.valid, new_slots], dim=1)
 
     def keep(self, indices: torch.LongTensor) -> None:
-        """Keeps the rows `indices`, in that order."""
         self.valid = self.valid[indices]
 
 
 class LookaheadDecoder:
     """
-    The decoding loop of one `generate` call.
-
-    Every sequence of the batch has its own lookahead (`SequenceState`); one forward pass per step serves all of
-    them, each sequence's part padded to the longest. The cache is shared: after a step every sequence gets as many
-    new slots as the sequence that accepted the most (`SlotMap`). Finished sequences leave the batch
-    (`Cache.batch_select_indices`), so they stop costing compute. What only this loop does is here: the batch's
-    padding and masks, the shared cache's commit, compiled step shapes and `generate`'s outputs.
+    The decoding loop of one `generate` call. Every row has its own lookahead (`SequenceState`); one forward pass per
+    step serves all of them, each part padded to the longest, over a shared cache where every row gets as many new
+    slots as the row that accepted the most (`SlotMap`). Finished rows leave the batch.
 
     Args:
         model (`PreTrainedModel`): the model.
         config (`LookaheadConfig`): the step shape.
-        planner (`StepPlanner`): how the sequences plan their steps (`AdaptivePlanner` for `"auto"`).
+        planner (`StepPlanner`): how the rows plan their steps (`AdaptivePlanner` for `"auto"`).
         forward (`StepForward`): how the model takes a step.
-        committer (`CacheCommitter`): how a step's accepted entries are kept in the call's cache.
+        committer (`CacheCommitter`): keeps a step's accepted entries in the cache.
         logits_processor (`LogitsProcessorList`): applied to every accepted position.
         stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
         generation_config (`GenerationConfig`): the resolved generation config.
-        layout (`type[StepLayout]`, *optional*): how steps are laid out: full steps (`StepLayout`), or chain steps
-            for a model that takes no full step (`ChainLayout`).
-        sync (`StepSync`, *optional*): keeps tensor-parallel ranks in step; `None` on one device.
+        layout (`type[StepLayout]`, *optional*): full steps, or `ChainLayout` for a model that takes none.
+        sync (`StepSync`, *optional*): keeps tensor-parallel ranks in step.
     """
 
     def __init__(
@@ -350,9 +304,8 @@ class LookaheadDecoder:
         self, plans: list[SequenceStep], layout: StepLayout, slots: SlotMap, streamer: BaseStreamer | None
     ) -> None:
         """
-        One lookahead step of the batch: one forward pass holding every sequence's planned part (its pending tokens,
-        Jacobi window and candidate tree), then each sequence's verified prefix plus one token appended, the cache
-        rolled forward over what they kept, and what the step taught.
+        One step: one forward pass over every row's pending tokens, Jacobi window and candidate tree; each row's
+        verified prefix plus one token appended; the cache rolled forward over what was kept; and what it taught.
         """
         rows = [plan.row for plan in plans]
         # 1. Lay out: every part padded to the longest and masked, over the shared cache.
@@ -387,7 +340,6 @@ class LookaheadDecoder:
     def _prefill(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], streamer: BaseStreamer | None
     ) -> tuple[list[SequenceState], SlotMap]:
-        """Runs the prompts through the model, appends each sequence's first token and equips the sequences."""
         attention_mask = model_kwargs.get(
             "decoder_attention_mask" if self.forward.is_encoder_decoder else "attention_mask"
         )
@@ -428,9 +380,8 @@ class LookaheadDecoder:
 
     def _plan(self, active: list[SequenceState], layout: StepLayout) -> list[SequenceStep]:
         """
-        Chooses each sequence's part of the step: whether its window runs, and its candidates. The forward pass costs
-        what the longest part costs, so with the adaptive policy a batch first settles on one length that maximises
-        the expected tokens of all rows per unit of cost, and every row then verifies as much as fits in it.
+        Each row's part of the step. A pass costs what its longest row costs, so a batch (or a compiled pass) first
+        settles on one length, and every row verifies what fits in it.
         """
         offers = [sequence.offer(layout) for sequence in active]
         # A static cache has room for so many more entries: the step must fit.
@@ -445,7 +396,6 @@ class LookaheadDecoder:
         return [sequence.plan(offer, layout, budget, room) for sequence, offer in zip(active, offers)]
 
     def _accept(self, sequence: SequenceState, verdict: Verdict, streamer: BaseStreamer | None) -> int:
-        """Appends what one sequence accepted until it stops (`StopTracker`), and streams it; returns how many."""
         kept = sequence.accept(verdict, lambda token, raw, processed: self.stops.record(sequence, raw, processed))
         self._stream(streamer, sequence, kept)
         return kept
@@ -453,7 +403,6 @@ class LookaheadDecoder:
     def _drop_finished(
         self, sequences: list[SequenceState], active: list[SequenceState], slots: SlotMap
     ) -> list[SequenceState]:
-        """Marks finished sequences and drops them from the batch; returns the sequences still running."""
         self.stops.mark_finished(sequences)
         running = [sequence for sequence in active if not sequence.done]
         if running and len(running) < len(active):
@@ -467,9 +416,8 @@ class LookaheadDecoder:
 
     def _choose_forward(self, model_kwargs: dict[str, Any]) -> None:
         """
-        Compiles the step forward pass where plain decoding would compile its own (a static cache on an accelerator,
-        or a `compile_config` that asks for it): multi-token steps are then padded to one of a few bucket lengths, so
-        the compiled function sees one shape per bucket and one for a single token, in every call.
+        Compiles the step where plain decoding would compile its own; multi-token steps are then padded to a few
+        bucket lengths, so the compiled function sees one shape per bucket and one for a single token.
         """
         model, generation_config = self.model, self.generation_config
         self.buckets = None
@@ -479,7 +427,6 @@ class LookaheadDecoder:
         self.buckets = self.planner.buckets(self.config.max_step_length(self.planner.window_size))
 
     def _bucket(self, plans: list[SequenceStep]) -> int | None:
-        """The length a compiled step is padded to: the shortest bucket that holds its longest row."""
         if self.buckets is None:
             return None
         length = max(plan.row.length for plan in plans)
@@ -522,14 +469,13 @@ class LookaheadDecoder:
         )
 
     def _output_ids(self, sequences: list[SequenceState]) -> torch.LongTensor:
-        """The texts, shorter ones padded at the end as plain `generate` pads finished rows."""
         rows = [sequence.input_ids[0] for sequence in sequences]
         padding = pad_token_id(self.generation_config) or 0
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=padding)
 
     @staticmethod
     def _per_token(sequences: list[SequenceState], name: str) -> tuple[torch.Tensor, ...]:
-        """One `(batch, vocab)` tensor per generated token; zeros where a sequence had already finished."""
+        """One `(batch, vocab)` tensor per generated token; zeros where a row had finished."""
         per_sequence = [getattr(sequence, name) for sequence in sequences]
         steps = max(len(values) for values in per_sequence)
         template = next(values[0] for values in per_sequence if values)
@@ -545,10 +491,7 @@ class LookaheadDecoder:
 
 
 def step_fingerprint(plans: list[SequenceStep]) -> int:
-    """
-    A digest of a step's decisions: which sequences take part, how long each is, and every token each feeds (its
-    pending tokens, window and candidates, in layout order). 0 when there is no step.
-    """
+    """A digest of a step's decisions (its rows, their lengths, every token fed); 0 for no step."""
     if not plans:
         return 0
     return hash(tuple((plan.sequence.index, plan.sequence.length, tuple(plan.row.tokens)) for plan in plans))

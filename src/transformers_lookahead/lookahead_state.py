@@ -33,48 +33,23 @@ _DEFAULT = object()
 
 class LookaheadState:
     """
-    What `"auto"` learns about one model across `generate` calls, held by the user's model (`enable_lookahead` gives
-    it one as `model.lookahead_state`) rather than by the package.
-
-    - The step-cost table (`StepCostModel`): measured once per device, dtype and thread count, kept in memory and,
-      unless `cost_dir` is `None`, in a JSON file so the next process reads it instead of measuring again.
-    - The acceptance estimates of the last `"auto"` call (`PolicyEstimates`, one per policy shape, greedy and sampled
-      apart): the next call starts from them instead of the priors. Short generations (a transcript, a chat turn)
-      otherwise spend most of their steps relearning that, say, copied continuations rarely match.
-    - The steps a continuous-batching engine last timed (`EngineStepCost.history`), per model key: the next engine
-      (each `generate_batch` call starts one) prices its first steps with the fit they give, not with the table, which
-      times passes of another kind (one sequence over a contiguous cache).
-    - The suffix memories (`SuffixMemory`, one per `lookahead_memory_namespace`): the prompts and outputs of earlier
-      calls, whose continuations later calls verify. With `memory_dir` set, a memory is read from its file when a
-      call first uses it and written back after every call that added to it, so a restarted server starts warm.
-
-    None of it changes what a call generates: greedy output is plain greedy's, and sampled text depends only on the
-    seed (see `PositionNoise`).
-
-    Safe to share between threads calling `generate` on one model at once: each call works on its own copies of the
-    estimates and reads or writes the state under locks. A copied or pickled state starts empty.
+    What `"auto"` learns about one model across calls, held by the model (`model.lookahead_state`): its step-cost
+    table (measured once per device, dtype and thread count, and kept in `cost_dir`), the last call's acceptance
+    estimates (so short calls do not relearn them), a continuous-batching engine's timed steps, the suffix memories
+    (one per namespace, kept in `memory_dir` where set), and the model check's verdicts. None of it changes what a
+    call generates. Safe to share between threads; a copied or pickled state starts empty.
 
     Args:
-        cost_dir (`str` or `os.PathLike` or `None`, *optional*):
-            Where cost tables are read and written. Defaults to `default_cost_dir()`: `$TRANSFORMERS_LOOKAHEAD_COST_DIR`
-            if set ("off" for `None`), else `lookahead/step_costs` under the Hugging Face cache. `None` keeps tables
-            in memory only (each new state measures once).
-        memory_dir (`str` or `os.PathLike` or `None`, *optional*):
-            Where suffix memories are read and written, one file per vocabulary and namespace. Defaults to
-            `$TRANSFORMERS_LOOKAHEAD_MEMORY_DIR` if set, else `None`: memories live in this state only.
-        step_costs (`StepCostModel`, *optional*):
-            A cost table to price every step by, instead of measuring one: the table of another device, to see what
-            `"auto"` would do there, or a fixed table for steps that do not depend on this machine's timings.
-        follow_durations (`bool`, *optional*, defaults to `True`):
-            Whether `"auto"` also learns from the measured durations of its steps what its table under-prices (in
-            continuous batching: prices steps by the engine's timed steps, `EngineStepCost`). Off, its steps depend
-            only on the table and the text.
-        tuning (`AutoTuning`, *optional*):
-            The constants `"auto"` decides with (defaults to `AUTO_TUNING`; what `lookahead_ngram` and
-            `lookahead_guess` `"auto"` resolve to is read with the settings, from `AUTO_TUNING`).
-        step_observer (`Callable`, *optional*):
-            Called after every sequence's step with what its policy chose (`StepChoice`), its part of the step
-            (`RowStep`) and the `Verdict`: how tools record steps.
+        cost_dir (`str` or `os.PathLike` or `None`, *optional*): where cost tables are kept: by default
+            `$TRANSFORMERS_LOOKAHEAD_COST_DIR` ("off": `None`), else `lookahead/step_costs` under the Hugging Face
+            cache; `None` keeps them in memory.
+        memory_dir (`str` or `os.PathLike` or `None`, *optional*): where suffix memories are kept, by default
+            `$TRANSFORMERS_LOOKAHEAD_MEMORY_DIR`, else nowhere.
+        step_costs (`StepCostModel`, *optional*): a table to price every step by instead of measuring one.
+        follow_durations (`bool`, *optional*, defaults to `True`): whether `"auto"` also learns from its steps'
+            measured durations; off, its steps depend only on the table and the text.
+        tuning (`AutoTuning`, *optional*): the constants `"auto"` decides with.
+        step_observer (`Callable`, *optional*): called with each sequence's `StepChoice`, `RowStep` and `Verdict`.
     """
 
     def __init__(
@@ -109,12 +84,8 @@ class LookaheadState:
 
     def cost_model(self, model: PreTrainedModel, encoder_outputs: Any = None, chain: bool = False) -> StepCostModel:
         """
-        The step-cost table of `model` as it runs now (device, dtype, threads), measured at most once per state.
-
-        Args:
-            model (`PreTrainedModel`): the model this state belongs to.
-            encoder_outputs (`ModelOutput`, *optional*): for encoder-decoder models, encoder outputs of one input.
-            chain (`bool`, *optional*): the model decodes in chain steps (`ChainLayout`), and is timed in them.
+        The step-cost table of `model` as it runs now, measured at most once per state (over `encoder_outputs` of one
+        input for encoder-decoder models; in chain steps where `chain`).
         """
         if self.step_costs is not None:
             return self.step_costs
@@ -152,13 +123,8 @@ class LookaheadState:
         max_tokens: int = DEFAULT_MEMORY_SIZE,
     ) -> SuffixMemory:
         """
-        The suffix memory of `namespace` (`lookahead_memory_namespace`), holding at most `max_tokens` tokens
-        (`lookahead_memory_size`) from now on: created empty, or read from `memory_dir` (named by `model`'s
-        vocabulary), on first use.
-
-        Raises:
-            `ValueError` if the memory's file in `memory_dir` is not a memory of this vocabulary; the file is left as
-            it is.
+        The suffix memory of `namespace`, holding at most `max_tokens` from now on: created, or read from
+        `memory_dir`, on first use (a `ValueError` if that file is not of this vocabulary).
         """
         with self._lock:
             memory = self._memories.get(namespace)
@@ -173,10 +139,7 @@ class LookaheadState:
         return memory
 
     def add_to_memory(self, namespace: str, documents: list[list[int]]) -> None:
-        """
-        Adds the token sequences of a finished call to the memory of `namespace` (which `memory` created), and writes
-        the memory to `memory_dir` if there is one.
-        """
+        """Adds a finished call's sequences to the memory of `namespace`, and writes it to `memory_dir` if set."""
         with self._lock:
             memory = self._memories[namespace]
         memory.add(documents)
@@ -185,12 +148,7 @@ class LookaheadState:
             memory.save(path)
 
     def save_memory(self, path: str | os.PathLike, namespace: str = DEFAULT_MEMORY_NAMESPACE) -> None:
-        """
-        Writes the memory of `namespace` to a file (e.g. beside the model), which `load_memory` reads back.
-
-        Raises:
-            `ValueError` if this state has no memory of that namespace.
-        """
+        """Writes the memory of `namespace` to a file, which `load_memory` reads back."""
         with self._lock:
             memory = self._memories.get(namespace)
         if memory is None:
@@ -206,13 +164,7 @@ class LookaheadState:
         namespace: str = DEFAULT_MEMORY_NAMESPACE,
         max_tokens: int = DEFAULT_MEMORY_SIZE,
     ) -> SuffixMemory:
-        """
-        Replaces the memory of `namespace` with the file at `path`, written by `save_memory` (or found in a
-        `memory_dir`) for `model`'s vocabulary, keeping its newest `max_tokens` tokens.
-
-        Raises:
-            `ValueError` naming the file and what is wrong with it; the memory stays as it was.
-        """
+        """Replaces the memory of `namespace` with the file at `path` (`save_memory`'s), keeping `max_tokens`."""
         if not NAMESPACE_PATTERN.fullmatch(namespace):
             raise ValueError(f"`namespace` must be 1 to 64 letters, digits, '.', '_' or '-', got {namespace!r}.")
         memory = self.memory(model, namespace, max_tokens)

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import torch
 
-# Seed of the window's private generator: the initial guesses are the same on every run, and the user's global
-# random state is never touched (sampling with a fixed seed must stay reproducible with or without lookahead).
+# The window's own generator: the same first guesses every run, and the user's random state untouched.
 WINDOW_SEED = 0
 
 
 class LookaheadWindow:
     """
-    The lookahead branch of a step, on the host. Level `l` column `i` guesses the token at position `p + 1 + l + i`
-    (`p`: the last accepted token's). Each step feeds every level; the top level's outputs become the new top level
-    and the older levels shift down, so each column keeps N - 1 successive guesses (one Jacobi iteration per step)
-    and yields the n-gram `(level 0, ..., level N-2, new top)`. The levels start as tokens drawn from the prompt,
-    which converge to useful n-grams sooner than random ids.
+    The lookahead branch, on the host: level `l` column `i` guesses position `p + 1 + l + i`. Each step's top-level
+    outputs become the new top level and the others shift down (one Jacobi iteration), so each column yields the
+    n-gram `(level 0, ..., level N-2, new top)`. The levels start as tokens drawn from the prompt.
 
     Args:
         window (`int`): W, the number of columns.
@@ -29,8 +26,7 @@ class LookaheadWindow:
         self.tokens = [[prompt_ids[pick] for pick in level] for level in picks]
         self.window = window
         self.levels = levels
-        # The bottom level is the oldest; until N - 2 updates have happened, some of its levels are still the
-        # initial draw rather than model outputs, and their n-grams would only pollute the pool.
+        # Until N - 2 updates, some levels are still the initial draw: their n-grams would pollute the pool.
         self._updates_until_ngrams = levels - 1
 
     def __len__(self) -> int:
@@ -41,10 +37,7 @@ class LookaheadWindow:
         return [token for level in self.tokens for token in level]
 
     def update(self, top: list[int]) -> list[list[int]]:
-        """
-        Applies one Jacobi iteration with `top`, the model's choices at the top level, one per column; returns the
-        n-grams the columns completed (N tokens each), none while the window still holds initial guesses.
-        """
+        """One Jacobi iteration with the model's choices at the top level; returns the n-grams the columns completed."""
         ngrams = []
         if self._updates_until_ngrams > 0:
             self._updates_until_ngrams -= 1

@@ -16,23 +16,29 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PACKAGE_DIR = Path(__file__).parent
-# The module that becomes `custom_generate/generate.py`; the modules it imports keep their names beside it.
-ENTRY_MODULE = "hub_generate"
+# The modules that become `custom_generate/generate.py`: the Hub repository's (the core) and a model folder's (all
+# the package adds); the modules an entry imports keep their names beside it.
+HUB_ENTRY = "hub_generate"
+FOLDER_ENTRY = "folder_generate"
 # The relative imports Transformers follows when it loads a `custom_generate/` folder (the same pattern).
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", flags=re.MULTILINE)
 
 
-def custom_generate_files() -> dict[str, str]:
+def custom_generate_files(entry: str = HUB_ENTRY) -> dict[str, str]:
     """
-    The files of a self-contained `custom_generate/` folder, by name: `generate.py` (the package's `hub_generate`
-    module), every package module it imports directly or not (verbatim: the package's modules import each other
-    with relative imports only, which Transformers follows), and a `requirements.txt` that Transformers checks
-    before running the code (torch and Transformers, nothing of ours).
+    The files of a self-contained `custom_generate/` folder, by name: `generate.py` (the `entry` module), every
+    package module it imports directly or not (verbatim: they import each other with relative imports only, which
+    Transformers follows), and a `requirements.txt` that Transformers checks before running the code.
+
+    Args:
+        entry (`str`, *optional*): `HUB_ENTRY` (the core) or `FOLDER_ENTRY` (everything the package adds).
     """
-    files, pending = {}, [ENTRY_MODULE]
+    if entry not in (HUB_ENTRY, FOLDER_ENTRY):
+        raise ValueError(f"`entry` must be one of {(HUB_ENTRY, FOLDER_ENTRY)}, got {entry!r}.")
+    files, pending = {}, [entry]
     while pending:
         module = pending.pop()
-        name = "generate.py" if module == ENTRY_MODULE else f"{module}.py"
+        name = "generate.py" if module == entry else f"{module}.py"
         if name in files:
             continue
         files[name] = (PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8")
@@ -44,19 +50,19 @@ def custom_generate_files() -> dict[str, str]:
     return dict(sorted(files.items()))
 
 
-def write_custom_generate(directory: str | os.PathLike) -> Path:
+def write_custom_generate(directory: str | os.PathLike, entry: str = HUB_ENTRY) -> Path:
     """
-    Writes the self-contained `custom_generate/` folder (see `custom_generate_files`) into `directory`, replacing
-    one that is there: `model.generate(..., custom_generate=directory, trust_remote_code=True)` then decodes with
-    lookahead where only torch and Transformers are installed, and so does a model folder holding it once loaded with
-    `from_pretrained(directory, trust_remote_code=True)`. `directory` (a model folder or a strategy repository) is
-    created if missing; returns the `custom_generate/` folder.
+    Writes the self-contained `custom_generate/` folder of `entry` (see `custom_generate_files`) into `directory`
+    (created if missing), replacing one that is there: `model.generate(..., custom_generate=directory,
+    trust_remote_code=True)` then decodes with lookahead where only torch and Transformers are installed, and so
+    does a model folder holding it once loaded with `from_pretrained(directory, trust_remote_code=True)`. Returns the
+    `custom_generate/` folder.
     """
     folder = Path(directory) / "custom_generate"
     staging = folder.with_name("custom_generate.part")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name, text in custom_generate_files().items():
+    for name, text in custom_generate_files(entry).items():
         (staging / name).write_text(text, encoding="utf-8")
     # Replaced whole: a module an older version wrote and this one no longer has must not stay behind.
     shutil.rmtree(folder, ignore_errors=True)
@@ -105,5 +111,5 @@ def save_lookahead_model(
     generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    write_custom_generate(folder)
+    write_custom_generate(folder, FOLDER_ENTRY)
     return folder

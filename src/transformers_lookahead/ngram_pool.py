@@ -10,11 +10,8 @@ from .token_tree import TokenTree
 
 class NGramPool:
     """
-    Recently seen n-grams, looked up by their first token.
-
-    Each key keeps its most recently used `max_per_key` continuations (least recently used evicted first) in a trie,
-    so lookup is one dict access and continuations that share a prefix share trie nodes: `tree(key)` turns them into
-    a verification tree whose size is the number of distinct prefixes rather than the number of continuations.
+    Recently seen n-grams by their first token: each key keeps its `max_per_key` most recently used continuations in
+    a trie, so `tree(key)` is as large as their distinct prefixes.
 
     Args:
         continuation_length (`int`): tokens stored after each key (N - 1 for n-grams of size N).
@@ -37,10 +34,7 @@ class NGramPool:
         return recent is not None and tuple(ngram[1:]) in recent
 
     def add(self, key: int, continuation: Sequence[int], from_window: bool = False) -> None:
-        """
-        Records that `continuation` (`continuation_length` tokens) followed `key`, as that key's most recent entry;
-        `from_window` where the lookahead window guessed the n-gram rather than text holding it.
-        """
+        """Records `continuation` after `key` as its most recent (`from_window`: guessed by the window, not read)."""
         if self.max_per_key == 0:
             return
         continuation = tuple(continuation)
@@ -65,10 +59,7 @@ class NGramPool:
             self.add(tokens[start], tokens[start + 1 : start + 1 + length])
 
     def found_by_window(self, key: int, path: Sequence[int]) -> bool:
-        """
-        Whether the only pooled continuations of `key` that start with `path` came from the lookahead window: the
-        tokens of `path` were then accepted thanks to the window.
-        """
+        """Whether every pooled continuation of `key` starting with `path` came from the window."""
         recent = self._recent.get(key)
         if not recent or not path:
             return False
@@ -81,10 +72,7 @@ class NGramPool:
         return list(reversed(self._recent.get(key, ())))
 
     def tree(self, key: int, max_depth: int, tree: TokenTree | None = None) -> TokenTree:
-        """
-        The continuations of `key` as a token tree cut at `max_depth` tokens (breadth first), merged into `tree`
-        where given.
-        """
+        """The continuations of `key` as a token tree cut at `max_depth`, merged into `tree` where given."""
         tree = TokenTree() if tree is None else tree
         trie = self._tries.get(key)
         if not trie or max_depth < 1:
@@ -122,40 +110,3 @@ def _trie_remove(trie: dict[int, list], continuation: tuple[int, ...]) -> None:
             del children[token]
             return
         children = node[1]
-
-
-class ContextIndex:
-    """
-    Where each recent k-gram of the text last occurred, to copy what followed it (prompt lookup decoding's idea,
-    with a hash lookup instead of a scan). The longest suffix of the text (up to `max_match` tokens) seen earlier
-    proposes the tokens that followed its most recent earlier occurrence.
-
-    Args:
-        max_match (`int`): the longest suffix looked up.
-    """
-
-    def __init__(self, max_match: int = 3):
-        self.max_match = max_match
-        self._next_index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_match)]
-        self._indexed = 0
-
-    def update(self, tokens: Sequence[int]) -> None:
-        """Indexes the k-grams of `tokens` that gained a following token since the last call."""
-        for end in range(max(self._indexed, 1), len(tokens)):
-            # tokens[end - k : end] is followed by tokens[end]
-            for k in range(1, min(self.max_match, end) + 1):
-                self._next_index[k - 1][tuple(tokens[end - k : end])] = end
-        self._indexed = len(tokens)
-
-    def continuation(self, tokens: Sequence[int], length: int) -> list[int]:
-        """
-        Up to `length` tokens that followed the most recent earlier occurrence of the longest matching suffix of
-        `tokens` (which must have been passed to `update`), or an empty list.
-        """
-        if length < 1:
-            return []
-        for k in range(min(self.max_match, len(tokens) - 1), 0, -1):
-            start = self._next_index[k - 1].get(tuple(tokens[-k:]))
-            if start is not None:
-                return list(tokens[start : start + length])
-        return []

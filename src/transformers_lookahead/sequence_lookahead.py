@@ -1,9 +1,7 @@
 """
-One sequence's lookahead, shared by both decoding loops: where its candidates come from, how it plans its part of a
-step, accepts a verdict and learns from it; and `StepPlanner`, what every sequence of a loop plans with. `generate`'s
-loop keeps one `SequenceLookahead` per row of the batch, continuous batching one per request; each loop is then what
-only it does (a padded batch and its cache, or the engine's pages). `"auto"` plans with `AdaptivePlanner`
-(`adaptive_planner.py`), through the same interface.
+One sequence's lookahead, shared by `generate`'s loop (one per row) and continuous batching (one per request): its
+candidate sources, how it plans its part of a step, accepts a verdict and learns; and `StepPlanner`, what every
+sequence of a loop plans with (`"auto"`'s is `adaptive_planner.AdaptivePlanner`).
 """
 
 from __future__ import annotations
@@ -32,14 +30,8 @@ if TYPE_CHECKING:
 @dataclass
 class SequenceStep:
     """
-    One sequence's part of a step, in either loop (`SequenceLookahead.plan`).
-
-    Args:
-        sequence (`SequenceLookahead`): the sequence.
-        choice (`StepChoice`): what its policy chose from what was offered (the policy learns from all of it).
-        row (`RowStep`): its tokens, positions and visibility in the step, and where its outputs are.
-        past (`int`, *optional*, defaults to 0): the tokens of the sequence in the cache before the step, where the
-            loop needs them (continuous batching's pages).
+    One sequence's part of a step (`SequenceLookahead.plan`): what its policy chose (`choice`), how it is laid out
+    (`row`), and its tokens in the cache before the step (`past`, for continuous batching's pages).
     """
 
     sequence: SequenceLookahead
@@ -50,17 +42,15 @@ class SequenceStep:
 
 class SequenceLookahead:
     """
-    One sequence's lookahead, complete when built: its n-gram pool, Jacobi window, step policy, candidate sources
-    and verifier (from `planner`), the tokens its next step feeds first, and what each step accepted. Each step, the
-    loop asks it to `offer` its candidates, `plan` its part, `accept` the verdict and `learn` from the step.
+    One sequence's lookahead: its n-gram pool, Jacobi window, policy, candidate sources and verifier, the tokens its
+    next step feeds first, and what each step accepted. Each step the loop asks it to `offer`, `plan`, `verify`,
+    `accept` and `learn`.
 
     Args:
-        tokens (`list[int]`): the text so far without padding (its prompt and first token), on the host; `append`
-            grows this list.
+        tokens (`list[int]`): the text without padding (prompt and first token), on the host.
         limit (`int`): the length `length` may not exceed.
-        planner (`StepPlanner`): how the loop's sequences plan their steps.
-        verifier (`GreedyVerifier`): how its candidates are checked (`StepPlanner.verifiers`), which already chose
-            its first token.
+        planner (`StepPlanner`): what the loop's sequences plan with.
+        verifier (`GreedyVerifier`): checks its candidates (it chose the first token).
     """
 
     def __init__(
@@ -84,37 +74,30 @@ class SequenceLookahead:
         # The tokens the next step feeds before its guesses: the last accepted one (all of them with "refeed").
         self.pending = tokens[-1:]
         self.accepted: list[int] = []
-        # Where the model numbers positions by cache slot, the row's left padding counts; where `generate` shifts its
-        # positions, the shift (`generate_position_shift`).
+        # The row's padding where the model numbers positions by cache slot, else `generate_position_shift`.
         self.position_offset = 0
 
     @property
     def length(self) -> int:
-        """The text's length, in the units of `limit`."""
         return len(self.tokens)
 
     @property
     def position(self) -> int:
-        """
-        The position of the last token: the first real token is at 0, as with left-padded plain decoding, unless the
-        model numbers positions by cache slot (`position_offset`: the row's padding) or `generate` shifts them.
-        """
+        """The last token's position (the first real token's is 0, unless `position_offset` says otherwise)."""
         return len(self.tokens) - 1 + self.position_offset
 
     @property
     def input_ids(self) -> torch.LongTensor | None:
-        """The text as the verifier reads it, shape `(1, length)`; `None` where it reads none."""
+        """The text as the verifier reads it, `(1, length)`; `None` where it reads none."""
         return torch.tensor([self.tokens], device="cpu") if self.verifier.reads_text else None
 
     def append(self, token: int) -> None:
-        """Appends one accepted token to the text."""
         self.tokens.append(token)
 
     def offer(self, layout: StepLayout | None = None) -> StepOffer:
         """
-        Its candidates for the next step, every source's proposals (`StepPlanner.sources`) merged into one tree
-        within the room the sequence and the model's positions leave, as much of them as a step of `layout` holds
-        (`StepLayout.candidates`), priced by its policy (with whether its window fits the model's positions).
+        Its candidates for the next step: every source's proposals merged into one tree within the room its limit
+        and the model's positions leave, what a step of `layout` holds of them, priced by its policy.
         """
         max_positions = self.planner.max_positions
         position_room = (max_positions - 1 - self.position) if max_positions else self.limit
@@ -131,9 +114,8 @@ class SequenceLookahead:
         self, offer: StepOffer, layout: StepLayout, budget: int | None = None, room: int | None = None
     ) -> SequenceStep:
         """
-        The sequence's part of the next step: what its policy chooses of `offer`, within `budget` tokens (the length
-        the batch settled on; 1 verifies nothing), cut to `room` tokens where given (the window first to go, then the
-        least likely candidates). A cut choice is no longer the one its prediction was made for: it does not calibrate.
+        Its part of the next step: what its policy chooses of `offer` within `budget` tokens (1 verifies nothing), cut
+        to `room` where given (the window first, then the least likely candidates; a cut choice does not calibrate).
         """
         choice = StepChoice.empty(offer) if budget == 1 else self.policy.plan(offer, budget)
         use_window, tree = choice.use_window, choice.tree
@@ -148,18 +130,12 @@ class SequenceLookahead:
         return SequenceStep(self, choice, row)
 
     def verify(self, step: SequenceStep | None, logits: torch.Tensor, choices: list[int]) -> Verdict:
-        """
-        What the model accepted of the sequence's part of a step (`None`: a step that fed its pending token alone),
-        from its `logits` and the model's `choices` at its rows (`RowStep.logits_rows` order).
-        """
+        """What the model accepted of its part (`None`: pending tokens alone), from its `logits` and `choices`."""
         tree, tree_row = (step.choice.tree, step.row.tree_row) if step is not None else (TokenTree(), 1)
         return self.verifier.verify(logits, tree, tree_row, self.input_ids, self.limit - self.length, choices)
 
     def accept(self, verdict: Verdict, stop: Callable[[int, torch.Tensor, torch.Tensor], bool]) -> int:
-        """
-        Appends the verdict's tokens one at a time, as plain decoding would, until `stop(token, logits, scores)`
-        (asked after each) says the sequence ends, or it reaches its limit; returns how many it kept.
-        """
+        """Appends the verdict's tokens until `stop(token, logits, scores)` or the limit says it ends; returns how many."""
         kept = 0
         for token, raw, processed in zip(verdict.tokens, verdict.logits, verdict.scores):
             if self.length >= self.limit:
@@ -172,10 +148,8 @@ class SequenceLookahead:
 
     def learn(self, step: SequenceStep, verdict: Verdict, kept: int, choices: list[int], undone: bool = False) -> None:
         """
-        Moves past its part of a step (`step`), whose `verdict` it kept `kept` tokens of (`accept`; fewer where it
-        stopped inside the chunk), given the model's `choices` at its rows: what its policy learns, its window's next
-        Jacobi iteration, its pool's new n-grams and what its next step feeds first (`advance`; `undone`: the step
-        was undone, `CacheCommitter.keep`).
+        Moves past a step of which it kept `kept` tokens: its policy learns, its window takes the next Jacobi
+        iteration from `choices`, its pool the window's n-grams (`undone`: the cache undid the step).
         """
         if self.planner.observer is not None:
             self.planner.observer(step.choice, step.row, verdict)
@@ -188,9 +162,8 @@ class SequenceLookahead:
 
     def advance(self, kept: int, undone: bool = False) -> None:
         """
-        Moves past `kept` tokens just appended to the text: what the next step feeds first (the last token, all `kept`
-        again with "refeed" commits, or this step's pending tokens and the `kept` ones where the step was `undone`),
-        and the n-grams they completed for the pool.
+        Moves past `kept` appended tokens: the next step feeds the last one (all of them with `"refeed"`, and the
+        step's pending tokens too where it was `undone`); the pool takes the n-grams they completed.
         """
         fed_again = len(self.pending) + kept if undone else (kept if self.planner.refeed else 1)
         self.pending = self.tokens[-fed_again:]
@@ -199,14 +172,7 @@ class SequenceLookahead:
 
 
 class CandidateSource(ABC):
-    """
-    Where a step's candidates come from: each source proposes continuations of a sequence's last token, and
-    `SequenceLookahead.offer` merges every source's proposals into the step's one `TokenTree`. A new source is a subclass
-    and one entry in `candidate_sources`.
-
-    Args:
-        depth (`int`): the most tokens deep it proposes.
-    """
+    """Proposes continuations of a sequence's last token, at most `depth` deep, into the step's one `TokenTree`."""
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -217,7 +183,7 @@ class CandidateSource(ABC):
 
 
 class PoolCandidates(CandidateSource):
-    """The sequence's n-gram pool: what its window and its text produced after the last token (`NGramPool`)."""
+    """The sequence's n-gram pool: what its window and its text produced after the last token."""
 
     def propose(self, sequence: SequenceLookahead, tree: TokenTree, depth: int) -> None:
         sequence.pool.tree(sequence.tokens[-1], depth, tree)
@@ -225,19 +191,17 @@ class PoolCandidates(CandidateSource):
 
 class StepPlanner:
     """
-    How every sequence of one decoding loop (a `generate` call, or a continuous-batching engine) plans its steps:
-    the paper's fixed shape here (the whole window and every candidate of the n-gram pool, every step). The loop asks
-    it for each new sequence's policy, sources and verifier, for the length a batch's step settles on, for the
-    lengths a compiled step is padded to, and tells it each step's duration and the sequences it finished with.
-    `AdaptivePlanner` (`"auto"`) prices steps instead, through the same methods.
+    How every sequence of one loop plans its steps: the paper's fixed shape (the whole window and every pooled
+    candidate, every step). The loop asks it for each sequence's policy, sources and verifier, a batch's step length
+    and a compiled step's lengths, and tells it each step's duration and the finished sequences; `AdaptivePlanner`
+    prices steps instead.
 
     Args:
         model (`PreTrainedModel`, *optional*): the model (how many positions it embeds).
         config (`LookaheadConfig`): the step shape.
         do_sample (`bool`): whether the loop samples.
-        refeed (`bool`, *optional*, defaults to `False`): whether a step's kept tokens are fed again (`"refeed"`).
-        observer (`Callable`, *optional*): called after every sequence's step with its `StepChoice`, `RowStep` and
-            `Verdict` (how tools record steps).
+        refeed (`bool`, *optional*): whether kept tokens are fed again (`"refeed"`).
+        observer (`Callable`, *optional*): called with each sequence's `StepChoice`, `RowStep` and `Verdict`.
     """
 
     def __init__(
@@ -257,28 +221,20 @@ class StepPlanner:
         self.max_positions = max_positions(model) if model is not None else None
 
     def policy(self) -> StepPolicy:
-        """A new sequence's step policy."""
         return StaticStepPolicy(self.window_size * self.config.levels)
 
     def sources(self) -> list[CandidateSource]:
-        """A new sequence's candidate sources, in the order their proposals are merged."""
         return [PoolCandidates(self.config.levels)]
 
     def verifiers(self, processors: list[LogitsProcessorList]) -> list[GreedyVerifier]:
-        """
-        The verifiers of new sequences, one per entry of `processors` (each sequence's own): greedy, or sampling with
-        one seed per sequence from torch's generator (`torch.manual_seed` fixes the text).
-        """
+        """One verifier per sequence's `processors`: greedy, or sampling with a seed from torch's generator."""
         if not self.do_sample:
             return [GreedyVerifier(own) for own in processors]
         seeds = torch.randint(0, 2**62, (len(processors),), dtype=torch.int64, device="cpu").tolist()
         return [SamplingVerifier(own, PositionNoise(seed)) for own, seed in zip(processors, seeds)]
 
     def step_length(self, offers: list[StepOffer], allowed: tuple[int, ...] | None = None) -> int | None:
-        """
-        The tokens per row a batch's step settles on, among the `allowed` lengths (any if `None`), given every row's
-        `offers`; `None`: each row takes its whole offer (a fixed shape).
-        """
+        """The tokens per row a batch's step settles on, among `allowed`; `None`: each row takes its whole offer."""
         return None
 
     def buckets(self, longest: int) -> tuple[int, ...]:
@@ -286,10 +242,10 @@ class StepPlanner:
         return (longest,)
 
     def price_batch(self, batch_size: int, padding: int | None = None, longest: int | None = None) -> None:
-        """Prices the next steps for `batch_size` sequences (see `AdaptivePlanner.price_batch`); nothing to price."""
+        """Prices the next steps for `batch_size` sequences; nothing to price for a fixed shape."""
 
     def observe_step(self, length: int, seconds: float) -> None:
-        """Learns from a step of `length` tokens per row that took `seconds`; nothing to learn for a fixed shape."""
+        """Learns from a step of `length` tokens per row that took `seconds`."""
 
     def finish(self, sequences: list[SequenceLookahead]) -> None:
-        """Keeps what finished sequences leave for later calls; a fixed shape keeps nothing."""
+        """Keeps what finished sequences leave for later calls."""

@@ -39,23 +39,13 @@ class UnevenCacheError(RuntimeError):
 
 class StepCheck:
     """
-    Checks, once per model, that the model computes a lookahead step as plain decoding does, and remembers the
-    verdict. Steps are fed after a short prefix, each compared with the same tokens fed one per pass
-    (`step_failure`):
-
-    1. a chain of two tokens at consecutive positions (what every model computes alike);
-    2. two branches after a shared token, `b` and `c d`, at positions `p + 1` and `p + 1, p + 2`, `c` and `d` not
-       seeing `b` (what a step holding several candidates asks of the model's positions and 4D attention mask);
-    3. where the config declares a window or chunk of at most `LONGEST_WINDOW_CHECKED` tokens, a token that many
-       hidden places into a step, after a prefix as long (a window applied by place in the pass, not by position).
-
-    For left-padded batches, the model's own greedy decoding of a padded row must also be the row's alone
-    (`padding_failure`): a step hides padding, as a mask must. A model that fails either may still compute a chain
-    step as plain decoding does (`chain_failure`: the step's tokens fed as plain decoding feeds several tokens, with
-    its 2D padding mask), which `generate` then decodes in chain steps (`ChainLayout`), in left-padded batches too
-    where a chain after left padding also computes as one-token passes do (`padded_chain_failure`). What is checked
-    is the model's structure, so a verdict holds whatever dtype, device or attention backend the model moves to
-    later (backends that cannot take a step's mask are refused on their own).
+    Checks, once per model, that it computes a lookahead step as plain decoding does, and remembers the verdicts.
+    Steps fed after a short prefix are compared with the same tokens fed one per pass (`step_failure`): a chain of two
+    tokens; two branches `b` and `c d` after a shared token, `c d` not seeing `b`; and, where the config declares a
+    window, a token that many hidden places into a step. For left-padded batches the model's own greedy decoding of
+    a padded row must be the row's alone (`padding_failure`). A model failing either may still compute chain steps
+    exactly (`chain_failure`, `padded_chain_failure`), which `generate` then takes. The verdicts are about the
+    model's structure, so they hold whatever dtype, device or backend it moves to.
     """
 
     def __init__(self):

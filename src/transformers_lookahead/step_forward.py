@@ -34,12 +34,8 @@ def self_attention_cache(cache: Cache) -> Cache:
 
 class StepForward:
     """
-    Runs the model on a `StepInputs`.
-
-    Decoder-only models take the step as `input_ids`, `position_ids` and `attention_mask`. Encoder-decoder models
-    whose decoders take position ids (Whisper) take it as `decoder_input_ids`, `decoder_position_ids` and
-    `decoder_attention_mask`, together with the encoder outputs of the call and the encoder's padding mask (for the
-    cross-attention), which follow the batch when sequences leave it (`select`).
+    Runs the model on a `StepInputs`: as `input_ids`, `position_ids`, `attention_mask`, or for encoder-decoder models
+    (Whisper) as their `decoder_*` with the call's encoder outputs and padding mask, which follow the batch (`select`).
 
     Args:
         model (`PreTrainedModel`): the model.
@@ -101,10 +97,7 @@ class StepForward:
 
 
 def logits_at(call: Callable[..., Any], inputs: dict[str, Any], rows: Any, slices: bool) -> torch.Tensor:
-    """
-    The logits of a pass at the sequence positions `rows` (a tensor or a slice), `(batch, rows, vocab)`: computed
-    only there where the model takes `logits_to_keep` (`slices`).
-    """
+    """The logits at positions `rows`, `(batch, rows, vocab)`: computed only there where the model `slices`."""
     if slices:
         return call(**{**inputs, "logits_to_keep": rows}).logits
     return call(**inputs).logits[:, rows]

@@ -20,28 +20,27 @@ if TYPE_CHECKING:
 
     from .verification import Verdict
 
-# How the masks reach the attention layers: additive float masks for eager and sdpa (a bool 4D mask is read
-# differently by the eager backend), `BlockMask`s for flex attention (a float mask would reach its kernel as a
-# `score_mod` applied to every score; a `BlockMask` also lets it skip the blocks no query sees).
+# Additive float masks for eager and sdpa (eager reads a bool 4D mask differently); `BlockMask`s for flex attention,
+# whose kernel would apply a float mask as a `score_mod` to every score.
 MASK_FORMATS = {"eager": "additive", "sdpa": "additive", "flex_attention": "block"}
 
 
 @dataclass
 class RowStep:
     """
-    One sequence's part of a step, before the rows of a batch are padded to one length.
+    One sequence's part of a step: pending tokens, then the window, then the tree.
 
     Args:
-        tokens (`list[int]`): pending tokens, then the window, then the tree, on the host.
-        input_ids (`torch.LongTensor` of shape `(T_b,)`): the same tokens on the model's device.
+        tokens (`list[int]`): the tokens, on the host.
+        input_ids (`torch.LongTensor` of shape `(T_b,)`): the same on the model's device.
         positions (`torch.LongTensor` of shape `(T_b,)`).
         visible (`torch.BoolTensor` of shape `(T_b, T_b)`): which of the step's tokens each token sees.
-        logits_rows (`list[int]`): the rows whose logits verification reads, in this order: the last pending token,
-            the window's top level (if the window is in the step), every tree node.
+        logits_rows (`list[int]`): the rows verification reads: the last pending token, the window's top level (if
+            in the step), every tree node.
         tree_row (`int`): the index in `logits_rows` of the first tree node.
-        window_used (`bool`): whether the window is part of this step.
-        pending_length (`int`): k, the pending tokens the step starts with.
-        tree_start (`int`): the index in the step of the first tree node (after the pending tokens and the window).
+        window_used (`bool`): whether the window is in the step.
+        pending_length (`int`): k, the pending tokens.
+        tree_start (`int`): the index in the step of the first tree node.
     """
 
     tokens: list[int]
@@ -59,21 +58,11 @@ class RowStep:
         return self.input_ids.shape[0]
 
     def window_top(self, choices: list[int]) -> list[int]:
-        """
-        The model's choices (one per entry of `logits_rows`) at the window's top level: the next Jacobi iteration of
-        its guesses. Empty when the window is not part of the step.
-        """
+        """The model's choices (one per `logits_rows` entry) at the window's top level: its next Jacobi iteration."""
         return choices[1 : self.tree_row]
 
     def kept_rows(self, matched_nodes: list[int], strategy: str) -> list[int]:
-        """
-        The step rows whose cache entries the sequence keeps: its pending tokens, then (for `"gather"`) the tree
-        nodes it accepted, in order. With `"refeed"` the accepted tokens are fed again by the next step instead.
-
-        Args:
-            matched_nodes (`list[int]`): the accepted tree nodes, top down.
-            strategy (`str`): `"gather"` or `"refeed"` (see `CacheCommitter`).
-        """
+        """The step rows whose entries are kept: the pending tokens, then (`"gather"`) the accepted `matched_nodes`."""
         rows = list(range(self.pending_length))
         if strategy == "gather":
             rows += [self.tree_start + node for node in matched_nodes]
@@ -83,19 +72,15 @@ class RowStep:
 @dataclass
 class StepInputs:
     """
-    Everything the forward pass of one step needs, and where its outputs are.
+    The forward pass of one step, and where its outputs are.
 
     Args:
-        input_ids (`torch.LongTensor` of shape `(batch, T)`): each row's `RowStep` tokens, padded to T.
-        position_ids (`torch.LongTensor` of shape `(batch, T)`, or `None` for chain steps of a model that numbers
-            positions itself, see `ChainLayout`).
-        attention_mask (`torch.Tensor`, `BlockMask`, a dict of them, or `None`): additive float masks of shape
-            `(batch, 1, T, kv_length)` (flex attention: `BlockMask`s of that shape), one per attention layer type
-            when the model mixes full and sliding layers; `None` for a single-token step of one unpadded sequence,
-            which needs only the causal mask the model builds.
-        logits_rows (`torch.LongTensor`): the step rows whose logits the forward pass computes (for every sequence).
-        row_logits (`list[list[int] | None]`): per sequence, where its `RowStep.logits_rows` are among `logits_rows`
-            (`None`: all of them, in order).
+        input_ids (`torch.LongTensor` of shape `(batch, T)`): each row's tokens, padded to T.
+        position_ids (`torch.LongTensor` of shape `(batch, T)`, *optional*): `None` where the model numbers them.
+        attention_mask (`torch.Tensor`, `BlockMask`, a dict of them, or `None`): `(batch, 1, T, kv_length)`, one per
+            layer type where full and sliding layers mix; `None` for one unpadded token (the model's causal mask).
+        logits_rows (`torch.LongTensor`): the step rows whose logits the pass computes.
+        row_logits (`list[list[int] | None]`): per row, where its `RowStep.logits_rows` are (`None`: all, in order).
     """
 
     input_ids: torch.LongTensor
@@ -109,12 +94,12 @@ class StepInputs:
         return self.input_ids.shape[1]
 
     def logits_of(self, row: int, logits: torch.Tensor) -> torch.Tensor:
-        """The logits (what the forward pass returned) of the sequence at `row`, in its `RowStep.logits_rows` order."""
+        """The logits of the sequence at `row`, in its `RowStep.logits_rows` order."""
         rows = self.row_logits[row]
         return logits[row] if rows is None else logits[row, rows]
 
     def choices_of(self, row: int, choices: list[list[int]]) -> list[int]:
-        """The `choices` (`read_choices` of the step's logits) of the sequence at `row`, as `logits_of` orders them."""
+        """The `choices` (`read_choices` of the logits) of the sequence at `row`, as `logits_of` orders them."""
         rows = self.row_logits[row]
         return choices[row] if rows is None else [choices[row][index] for index in rows]
 
@@ -122,13 +107,8 @@ class StepInputs:
 @dataclass(frozen=True)
 class AttentionGroup:
     """
-    Attention layers that share one mask.
-
-    Args:
-        layer_idx (`int`): a cache layer of the group, asked for the key/value length of the step.
-        sliding_window (`int` or `None`): the window of sliding layers, `None` for full attention.
-        chunked (`bool`, *optional*): whether the window is a chunk (Llama 4's chunked attention): a token sees the
-            keys of its own chunk of `sliding_window` positions, not the last `sliding_window` keys.
+    Attention layers that share one mask: a cache layer of theirs (`layer_idx`), their `sliding_window` (`None`: full
+    attention), and whether it is a chunk (`chunked`, Llama 4: a token sees its own chunk's keys).
     """
 
     layer_idx: int
@@ -142,16 +122,7 @@ def layer_types(model) -> list[str] | None:
 
 
 def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, AttentionGroup] | AttentionGroup:
-    """
-    Groups the cache layers by the attention mask they need.
-
-    Args:
-        cache (`Cache`): the model's cache, its layers already created.
-        layer_types (`list[str]` or `None`): `config.layer_types`, the names models key their mask dicts by.
-
-    Returns:
-        A single `AttentionGroup` when every layer takes the same mask, otherwise a dict keyed by layer type.
-    """
+    """The cache's layers by the mask they need: one `AttentionGroup`, or a dict keyed by `layer_types`."""
     groups: dict[str, AttentionGroup] = {}
     for idx, layer in enumerate(cache.layers):
         name = layer_types[idx] if layer_types is not None else "full_attention"
@@ -166,19 +137,18 @@ def attention_groups(cache: Cache, layer_types: list[str] | None) -> dict[str, A
 
 class RowLayout:
     """
-    Lays out one sequence's part of a step as a single sequence (see `docs/source/en/lookahead_decoding.md` for a
-    drawing), as both loops do:
+    Lays out one sequence's part of a step (drawn in the guide):
 
-    - `k` pending tokens (accepted, not yet in the cache) at positions `p - k + 1 .. p`, causal among themselves;
-    - window level `l`, column `i` at position `p + 1 + l + i`, seeing level 0 up to its column and its own
-      column's levels 1..l, i.e. a contiguous history of positions `p + 1 .. p + 1 + l + i`;
+    - `k` pending tokens (accepted, not yet cached) at positions `p - k + 1 .. p`, causal among themselves;
+    - window level `l`, column `i` at `p + 1 + l + i`, seeing level 0 up to its column and its own column's levels
+      1..l: a contiguous history of positions `p + 1 .. p + 1 + l + i`;
     - tree nodes at `p + depth`, each seeing its ancestors.
 
-    Every row sees all pending tokens; the window and the tree never see each other.
+    Every token sees the pending tokens; the window and the tree never see each other.
 
     Args:
-        window (`int`): W, columns of the lookahead window.
-        levels (`int`): N - 1, levels of the window.
+        window (`int`): W, columns of the window.
+        levels (`int`): N - 1, its levels.
         device (`torch.device`): where the row tensors live.
     """
 
@@ -204,10 +174,7 @@ class RowLayout:
         window_tokens: list[int] | None,
         tree: TokenTree,
     ) -> RowStep:
-        """
-        One sequence's part of a step: its `pending` tokens (accepted, not yet cached, k >= 1), the last at
-        `position`, the window's guesses level by level (`None`: no window this step), and the `tree` to verify.
-        """
+        """The part of `pending` tokens (the last at `position`), the window's guesses (`None`: none) and `tree`."""
         device = self.device
         k = len(pending)
         window_length = 0 if window_tokens is None else len(window_tokens)
@@ -221,8 +188,7 @@ class RowLayout:
             positions = torch.tensor([position], device=device)
             return RowStep(tokens, input_ids, positions, None, [0], tree_row, False, k, tree_start)
 
-        # Built on the host and moved once: a step is a few dozen tokens, and one torch call per piece cost more
-        # than the whole host-side construction.
+        # Built on the host and moved once: one torch call per piece costs more than the whole construction.
         positions = list(range(position - k + 1, position + 1))
         if window_tokens is not None:
             positions += [position + offset for offset in self.window_offsets]
@@ -258,19 +224,16 @@ class RowLayout:
 
 class StepLayout(RowLayout):
     """
-    Lays out a step of `generate`'s loop: every sequence's part (`RowLayout.row`) padded to one length, with the
-    masks over the shared cache and the step. Every row sees the whole cache (but its batch row's padding and unused
-    slots); sliding layers additionally hide keys `sliding_window` or more positions back.
+    Lays out a step of `generate`'s loop: every row's part padded to one length, with masks over the shared cache
+    (hiding each row's padding and unused slots, and on sliding layers the keys a window or more back).
 
     Args:
-        window (`int`): W, columns of the lookahead window.
-        levels (`int`): N - 1, levels of the window.
-        groups (`dict[str, AttentionGroup]` or `AttentionGroup`): one group per attention layer type (the masks are
-            then passed as a dict keyed by layer type), or a single group when all layers share one mask.
-        dtype (`torch.dtype`): the dtype of the additive masks (the model's).
+        window (`int`): W, columns of the window.
+        levels (`int`): N - 1, its levels.
+        groups (`dict[str, AttentionGroup]` or `AttentionGroup`): one mask per layer type, or one for all.
+        dtype (`torch.dtype`): the additive masks' dtype (the model's).
         device (`torch.device`): where the step tensors live.
-        mask_format (`str`): `"additive"` (float masks, 0 or the dtype's minimum) or `"block"` (flex attention
-            `BlockMask`s).
+        mask_format (`str`): `"additive"` or `"block"` (flex attention).
     """
 
     def __init__(
@@ -295,16 +258,13 @@ class StepLayout(RowLayout):
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, cache: Cache, window: int, levels: int) -> StepLayout:
-        """
-        The layout of W = `window` columns and N - 1 = `levels` for `model`'s attention layers (its backend among
-        `MASK_FORMATS`): one mask per layer type of `cache` (created), in the format the backend reads.
-        """
+        """The layout for `model`'s attention backend and the layer types of `cache` (created)."""
         groups = attention_groups(cache, layer_types(model))
         mask_format = MASK_FORMATS[attention_implementation(model)]
         return cls(window, levels, groups, model.dtype, model.device, mask_format)
 
     def candidates(self, tree: TokenTree, window_allowed: bool, pending: int) -> tuple[TokenTree, bool]:
-        """What of a sequence's candidates (`tree`) and window a step holds, after `pending` tokens: all of them."""
+        """What of a row's candidates and window a step holds: all of them (`ChainLayout` holds one path)."""
         return tree, window_allowed
 
     def even_out(self, verdicts: list[Verdict]) -> list[Verdict]:
@@ -320,23 +280,15 @@ class StepLayout(RowLayout):
         seq_length: Callable[[int], int] | None = None,
     ) -> StepInputs:
         """
-        Pads the sequences' steps to one length and builds the masks over the cache and the step.
+        Pads the rows' parts to one length and builds the masks over the cache and the step.
 
         Args:
-            cache (`Cache`): the model's cache, asked for each group's key/value length and offset.
-            rows (`list[RowStep]`): one step per sequence of the batch, in batch order.
-            slot_valid (`torch.BoolTensor` of shape `(batch, cache_length)`, *optional*): which cache slots hold a
-                token of each sequence (left padding and the slots a sequence did not accept are False). `None`
-                when every slot is valid. It describes full-attention layers: sliding layers hold each sequence's
-                tokens contiguously at the end of its row (see `CacheCommitter`), and their masks follow from the
-                step's positions.
-            fixed_length (`int`, *optional*): pad every multi-token step to this length and compute the logits of
-                every row, so that all of them have one shape (a compiled forward pass then compiles once).
-            seq_length (`Callable[[int], int]`, *optional*): the tokens a layer holds, by layer index, known on the
-                host (`CacheCommitter.seq_length`); `cache.get_seq_length` when not given.
-
-        Returns:
-            `StepInputs`.
+            cache (`Cache`): asked for each group's key/value length and offset.
+            rows (`list[RowStep]`): one part per row, in batch order.
+            slot_valid (`torch.BoolTensor` of shape `(batch, cache_length)`, *optional*): `SlotMap.valid`, for
+                full-attention layers (sliding layers keep each row's tokens last, so positions give their masks).
+            fixed_length (`int`, *optional*): the length every multi-token step is padded to (compiled passes).
+            seq_length (`Callable[[int], int]`, *optional*): the tokens a layer holds, known on the host.
         """
         device = self.device
         length = max(row.length for row in rows)
@@ -348,8 +300,7 @@ class StepLayout(RowLayout):
         if len(rows) == 1 and rows[0].length == length:
             only = rows[0]
             if length == 1 and slot_valid is None:
-                # A lone token sees everything before it: the model builds that mask itself (for sliding layers too),
-                # exactly as in plain decoding, which is cheaper than a custom mask.
+                # A lone token sees everything before it: the model's own mask, as in plain decoding, is cheaper.
                 return StepInputs(
                     only.input_ids[None], only.positions[None], None, self._rows(only.logits_rows), [None]
                 )
@@ -394,7 +345,6 @@ class StepLayout(RowLayout):
         positions: torch.Tensor,
         slot_valid: torch.BoolTensor | None,
     ) -> torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask]:
-        """The step's masks: one, or one per attention layer type (see `StepInputs.attention_mask`)."""
         if isinstance(self.groups, AttentionGroup):
             return self._mask(cache, held, self.groups, visible, positions, slot_valid)
         return {
@@ -402,7 +352,6 @@ class StepLayout(RowLayout):
         }
 
     def _rows(self, rows: list[int]) -> torch.LongTensor:
-        """The logits rows to keep, on the device: the last row alone (a one-token step) is built once."""
         return self._last_row if rows == [0] else torch.tensor(rows, device=self.device)
 
     def _mask(
@@ -448,10 +397,7 @@ class StepLayout(RowLayout):
 
 
 def padded_length(length: int, buckets: tuple[int, ...] | int) -> int:
-    """
-    The length a fixed-shape pass runs `length` tokens as: the shortest of `generate`'s compiled `buckets` holding
-    them (the longest if none does), or the next multiple of a continuous-batching engine's padding interval.
-    """
+    """The shortest of `buckets` holding `length` (the longest if none does), or the next multiple of an int."""
     if isinstance(buckets, int):
         return -(-length // buckets) * buckets
     return next((bucket for bucket in buckets if bucket >= length), buckets[-1])
@@ -459,11 +405,9 @@ def padded_length(length: int, buckets: tuple[int, ...] | int) -> int:
 
 def generate_position_shift(model: PreTrainedModel) -> int | None:
     """
-    How `generate` numbers a decoder-only model's positions, so that lookahead steps number them alike: `None` where
-    the model numbers them itself, by cache slot with left padding included (`generate` prepares position ids only
-    for a forward that names them, which Whisper's decoder as a causal LM does not, and the model's own
-    `prepare_inputs_for_generation` may drop them: Exaone 4.5); else what that preparation adds to the position ids
-    `generate` prepared (0; 1 for PaliGemma, whose positions start at 1).
+    How `generate` numbers a model's positions, so steps number them alike: `None` where the model numbers them by
+    cache slot itself (its forward or `prepare_inputs_for_generation` takes none: Whisper's decoder as a causal LM,
+    Exaone 4.5); else what that preparation adds (0; 1 for PaliGemma).
     """
     if model.config.is_encoder_decoder:
         return 0
@@ -484,12 +428,7 @@ def generate_position_shift(model: PreTrainedModel) -> int | None:
 
 
 def block_mask(allowed: torch.BoolTensor) -> BlockMask:
-    """
-    The flex attention `BlockMask` letting each query see the keys `allowed` marks.
-
-    Args:
-        allowed (`torch.BoolTensor` of shape `(batch, query_length, kv_length)`).
-    """
+    """The flex attention `BlockMask` letting each query see the keys `allowed` (`(batch, queries, keys)`) marks."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, length, kv_length = allowed.shape

@@ -1,8 +1,4 @@
-"""
-What goes into each step of one sequence: the candidates a step could verify, priced (`StepOffer`), the step chosen
-of them (`StepChoice`), and the policy that chooses (`StepPolicy`). `StaticStepPolicy` is the paper's fixed shape;
-`"auto"`'s adaptive policy is in `adaptive_policy.py`.
-"""
+"""What goes into a sequence's step: its priced candidates (`StepOffer`), the step chosen (`StepChoice`), the policy."""
 
 from __future__ import annotations
 
@@ -16,15 +12,7 @@ if TYPE_CHECKING:
 
 
 class StepOption(NamedTuple):
-    """
-    One step a policy could take (a named tuple: an offer builds one per option, every step).
-
-    Args:
-        length (`int`): tokens the step feeds for this sequence.
-        expected (`float`): tokens it is expected to accept.
-        use_window (`bool`): whether it runs the window.
-        count (`int`): how many of the offer's nodes it verifies (the likeliest ones, see `StepOffer.order`).
-    """
+    """A step a policy could take: its `length`, `expected` tokens, whether it runs the window, and its `count` nodes."""
 
     length: int
     expected: float
@@ -35,15 +23,15 @@ class StepOption(NamedTuple):
 @dataclass(frozen=True)
 class StepOffer:
     """
-    What one sequence can put into its next step, priced by its policy (`StepPolicy.offer`).
+    What one sequence can put into its next step, priced by its policy.
 
     Args:
-        tree (`TokenTree`): every candidate its pool, context and memory offer.
+        tree (`TokenTree`): every candidate offered.
         window_allowed (`bool`): whether the window fits in the model's positions.
         pending (`int`): tokens the step feeds anyway.
         options (`tuple[StepOption]`): every step the policy would consider.
-        order (`tuple[int]`): the tree's nodes, likeliest first; every prefix is a subtree.
-        probabilities (`tuple[float]`): each node's estimated acceptance probability before calibration.
+        order (`tuple[int]`): the nodes, likeliest first; every prefix is a subtree.
+        probabilities (`tuple[float]`): each node's estimated acceptance probability.
     """
 
     tree: TokenTree
@@ -57,14 +45,8 @@ class StepOffer:
 @dataclass(frozen=True)
 class StepChoice:
     """
-    The step a policy chose from an offer, carrying what it was chosen with, for `StepPolicy.observe`.
-
-    Args:
-        offer (`StepOffer`): the offer.
-        use_window (`bool`): whether the step runs the window.
-        tree (`TokenTree`): the candidates it verifies (a subtree of `offer.tree`).
-        predicted (`float`): the summed acceptance probability of those candidates, before calibration.
-        probe (`bool`): whether the window runs as a forced probe rather than on its estimated worth.
+    The step a policy chose of an `offer`: whether it runs the window, its `tree` (a subtree of the offer's), the
+    summed acceptance probability `predicted` for it, and whether the window runs as a forced `probe`.
     """
 
     offer: StepOffer
@@ -75,33 +57,27 @@ class StepChoice:
 
     @classmethod
     def empty(cls, offer: StepOffer) -> StepChoice:
-        """The step that verifies nothing of `offer`: the pending tokens alone, without the window."""
         return cls(offer, False, offer.tree.subtree([]))
 
 
 class StepPolicy(Protocol):
-    """
-    Decides what goes into each step of one sequence, and learns from what the steps accepted.
+    """Decides what goes into a sequence's steps (`offer`, then `plan`), and learns from their verdicts (`observe`)."""
 
-    The loop asks for an `offer` once per step (the candidates priced), then a `plan` of it (for a batch, within the
-    step length the rows settled on), and after the forward pass `observe`s that plan's verdict.
-    """
-
-    # Whether the policy prices steps from measured costs (it then needs a cost table and learns across calls).
+    # Whether it prices steps from measured costs (a cost table, learning across calls).
     adapts: bool
 
     def offer(self, tree: TokenTree, window_allowed: bool, pending: int) -> StepOffer:
-        """The steps `tree` (every candidate offered) allows, with `pending` tokens fed anyway, priced."""
+        """The steps `tree` allows after `pending` tokens, priced."""
 
     def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice:
-        """The step to take of `offer`, within `budget` tokens (the length a batch settled on) when given."""
+        """The step to take of `offer`, within `budget` tokens when given."""
 
     def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
-        """Learns from a step: `choice` as planned, its `verdict`, the `pool` and `key` its candidates came from."""
+        """Learns from `choice`'s `verdict` (its candidates came from `pool` at `key`)."""
 
 
 class StaticStepPolicy:
-    """Every step holds the whole window and every candidate, as in the paper: the step shape is fixed."""
+    """The paper's fixed shape: every step holds the whole window and every candidate."""
 
     adapts = False
 
@@ -114,8 +90,7 @@ class StaticStepPolicy:
         return StepOffer(tree, window_allowed, pending, (option,), tuple(range(len(tree))), (0.0,) * len(tree))
 
     def plan(self, offer: StepOffer, budget: int | None = None) -> StepChoice:
-        """The whole offer (a fixed shape ignores `budget`, the step length a batch settled on)."""
         return StepChoice(offer, offer.window_allowed, offer.tree)
 
     def observe(self, choice: StepChoice, verdict: Verdict, pool: NGramPool, key: int) -> None:
-        """Nothing to learn for a fixed shape (see `StepPolicy.observe`)."""
+        pass

@@ -1,8 +1,4 @@
-"""
-The token tree a step verifies: candidate continuations of one key, merged so that candidates sharing a prefix
-share nodes. Every candidate source (the n-gram pool, the context index, the suffix memory) offers one; the policy
-prices it, the layout lays it out, verification walks it.
-"""
+"""The token tree a step verifies: candidate continuations of one key, merged on shared prefixes."""
 
 from __future__ import annotations
 
@@ -13,24 +9,17 @@ from dataclasses import dataclass, field
 @dataclass
 class TokenTree:
     """
-    Candidate continuations of one token, merged on shared prefixes: the verification branch of a step.
-
-    Nodes are listed parents first. Node `i` holds `tokens[i]` at depth `depths[i]` (1 = the token right after the
-    key), below node `parents[i]` (-1 = directly below the key).
+    Candidate continuations of one token: the verification branch of a step. Nodes are listed parents first; node
+    `i` holds `tokens[i]` at depth `depths[i]` (1: right after the key) below `parents[i]` (-1: the key).
 
     Args:
-        tokens (`list[int]`): the token of each node.
-        parents (`list[int]`): the parent node of each node, -1 for the children of the key.
-        depths (`list[int]`): the depth of each node, >= 1.
-        children (`list[dict[int, int]]`): for each node, its children by token; entry 0 is the key itself, node
-            `i` is at entry `i + 1`.
-        counts (`list[int]`): how many pooled continuations pass through each node.
-        in_context (`list[bool]`): whether each node lies on the continuation copied from the context (see
-            `ContextIndex`), as opposed to only on pooled n-grams.
-        memory_counts (`list[int]`): how many continuations from the suffix memory (see `SuffixMemory`) pass
-            through each node.
-        memory_total (`int`): how many continuations the memory proposed (what passes through the key).
-        memory_match (`int`): how many tokens of the sequence the memory matched to propose them (0: none).
+        tokens (`list[int]`), parents (`list[int]`), depths (`list[int]`): per node.
+        children (`list[dict[int, int]]`): children by token, the key's at entry 0 and node `i`'s at `i + 1`.
+        counts (`list[int]`): pooled continuations through each node.
+        in_context (`list[bool]`): whether each node lies on the continuation copied from the context.
+        memory_counts (`list[int]`): suffix-memory continuations through each node.
+        memory_total (`int`): continuations the memory proposed.
+        memory_match (`int`): tokens of the text the memory matched to propose them (0: none).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -51,7 +40,7 @@ class TokenTree:
         return self.children[node + 1].get(token)
 
     def subtree(self, nodes: list[int]) -> TokenTree:
-        """The tree restricted to `nodes` (in any order), which must include the parent of each of its nodes."""
+        """The tree restricted to `nodes`, which must hold each of their parents."""
         tree = TokenTree(memory_total=self.memory_total, memory_match=self.memory_match)
         renumber = {-1: -1}
         for old in sorted(nodes):
@@ -61,17 +50,14 @@ class TokenTree:
         return tree
 
     def add_path(self, tokens: Sequence[int]) -> None:
-        """Merges `tokens`, a continuation copied from the context, into the tree as one path flagged `in_context`."""
+        """Merges a continuation copied from the context as one path flagged `in_context`."""
         node = -1
         for depth, token in enumerate(tokens, start=1):
             node = self.ensure_child(node, token, depth)
             self.in_context[node] = True
 
     def add_memory(self, match_length: int, continuations: Sequence[Sequence[int]], max_nodes: int) -> None:
-        """
-        Merges the continuations the suffix memory proposed after matching `match_length` tokens of the text, most
-        recent first, while the tree gains at most `max_nodes` nodes, counting how many pass through each node.
-        """
+        """Merges the memory's `continuations` (most recent first, matched on `match_length` tokens), `max_nodes` at most."""
         added = 0
         self.memory_match = match_length
         for continuation in continuations:
@@ -92,7 +78,7 @@ class TokenTree:
                 self.memory_counts[child] += 1
 
     def ensure_child(self, node: int, token: int, depth: int) -> int:
-        """The child of `node` that holds `token`, created (from no source yet) if missing."""
+        """The child of `node` holding `token`, created if missing."""
         child = self.child(node, token)
         if child is None:
             child = len(self.tokens)
@@ -107,10 +93,7 @@ class TokenTree:
         return child
 
     def chain(self) -> list[int]:
-        """
-        One path down from the key, top down: at each node the child the most continuations pass through (pooled,
-        remembered, or copied from the context), the first added on a tie. What a chain step verifies.
-        """
+        """The path a chain step verifies: at each node the child most continuations pass through (first on a tie)."""
         path, node = [], -1
         while self.children[node + 1]:
             node = max(

@@ -25,9 +25,8 @@ _POSITIVE_INFINITY_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
     """
-    The argmax of each row of `logits` (shape `(..., vocab)`), taken in float32 as plain greedy decoding takes it,
-    the first maximum winning a tie as with `torch.argmax` (a NaN counting as the maximum). On the CPU numpy takes
-    it, several times faster than torch's CPU argmax over a large vocabulary (see the changelog).
+    The float32 argmax of each row of `logits`, as plain greedy takes it (first maximum, NaN as the maximum); on the
+    CPU by numpy, several times faster than torch's argmax over a large vocabulary.
     """
     if logits.device.type != "cpu":
         return logits.detach().to(torch.float32).argmax(-1)
@@ -35,17 +34,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
 
 
 def read_choices(logits: torch.Tensor) -> list:
-    """
-    `greedy_tokens(logits)` as (nested) host integers, in one device-to-host transfer: a step reads every row it
-    verifies and every window row at once, after its forward pass, and nothing else of the device.
-    """
+    """`greedy_tokens(logits)` as host integers, in the step's one device-to-host transfer."""
     if logits.device.type != "cpu":
         return logits.detach().to(torch.float32).argmax(-1).tolist()
     return np.asarray(_cpu_argmax(logits)).tolist()
 
 
 def _cpu_argmax(logits: torch.Tensor) -> np.ndarray:
-    """`greedy_tokens` of CPU logits, as numpy integers."""
     if logits.dtype in _POSITIVE_INFINITY_BITS and logits.is_contiguous():
         choices = _half_precision_argmax(logits.detach())
         if choices is not None:
@@ -55,13 +50,8 @@ def _cpu_argmax(logits: torch.Tensor) -> np.ndarray:
 
 def _half_precision_argmax(logits: torch.Tensor) -> np.ndarray | None:
     """
-    The argmax of half-precision CPU rows read as 16-bit integers, or `None` where that could differ from the
-    float32 argmax.
-
-    Positive floats order as their bit patterns do, and every negative float reads as a negative integer, so a row
-    whose maximum is a finite positive number has the same first maximum either way (equal values have equal bits
-    once zero is not the maximum). The rest (a maximum of zero or below, an infinity or a NaN) returns `None` for
-    the float32 route. Reading the bits skips the conversion.
+    The argmax of half-precision CPU rows read as 16-bit integers (positive floats order as their bits do), or `None`
+    where it could differ from float32's: a maximum of zero or below, an infinity or a NaN.
     """
     infinity = _POSITIVE_INFINITY_BITS[logits.dtype]
     bits = logits.view(torch.int16).numpy()
@@ -78,13 +68,8 @@ def _half_precision_argmax(logits: torch.Tensor) -> np.ndarray | None:
 @dataclass
 class Verdict:
     """
-    The tokens a step accepts.
-
-    Args:
-        tokens (`list[int]`): the accepted tokens in order: the matched tree path, then one token from the model.
-        nodes (`list[int]`): the tree node holding each matched token (one fewer than `tokens`).
-        logits (`list[torch.Tensor]`): the raw logits that chose each token, each of shape `(1, vocab)`.
-        scores (`list[torch.Tensor]`): the processed scores that chose each token, each of shape `(1, vocab)`.
+    The tokens a step accepts: the matched tree path, then the model's own token (`tokens`), the node of each matched
+    one (`nodes`), and the raw `logits` and processed `scores` (`(1, vocab)` each) that chose each.
     """
 
     tokens: list[int]
@@ -93,22 +78,21 @@ class Verdict:
     scores: list[torch.Tensor]
 
     def truncated(self, length: int) -> Verdict:
-        """The first `length` (>= 1) tokens: every accepted token is plain decoding's, so any prefix is too."""
+        """The first `length` (>= 1) tokens: each is plain decoding's, so any prefix is too."""
         return Verdict(self.tokens[:length], self.nodes[: length - 1], self.logits[:length], self.scores[:length])
 
 
 class GreedyVerifier:
     """
-    Greedy verification of a token tree: from the last accepted token, the model's choice at each node is accepted,
-    and the walk goes on at the child holding that token, if any. Every accepted token is plain greedy's at that
-    position, and logits processors are called once per accepted token, on the sequence up to it, as in plain
-    decoding. Subclasses change how a node's token is chosen (`choose`), not the walk.
+    Greedy verification of a token tree: the model's choice at each node is accepted and the walk goes on at the
+    child holding it. Processors run once per accepted token, on the text up to it, as in plain decoding. Subclasses
+    change how a token is chosen (`choose`), not the walk.
 
     Args:
-        logits_processor (`LogitsProcessorList`): the processors `generate` built for the call.
+        logits_processor (`LogitsProcessorList`): the row's processors.
     """
 
-    # Whether the choice is the argmax of the raw logits when there are no processors (the fast path).
+    # Whether the choice is the raw logits' argmax when there are no processors (the fast path).
     argmax_of_raw_logits = True
 
     def __init__(self, logits_processor: LogitsProcessorList):
@@ -125,17 +109,12 @@ class GreedyVerifier:
     ) -> Verdict:
         """
         Args:
-            logits (`torch.Tensor` of shape `(rows, vocab)`): row 0 follows the last accepted token; tree node `i`
-                is row `tree_row + i`.
-            tree (`TokenTree`): the verified candidates.
-            tree_row (`int`): the row of the first tree node in `logits`.
-            input_ids (`torch.LongTensor` of shape `(1, length)`): the sequence so far.
-            max_tokens (`int`): the most tokens to accept (what the length budget still allows).
-            choices (`list[int]`, *optional*): `read_choices(logits)`, where the step already read them; read here
-                otherwise.
-
-        Returns:
-            `Verdict`.
+            logits (`torch.Tensor` of shape `(rows, vocab)`): row 0 follows the last token; node `i` is `tree_row + i`.
+            tree (`TokenTree`): the candidates.
+            tree_row (`int`): the row of the first node.
+            input_ids (`torch.LongTensor` of shape `(1, length)`): the text so far.
+            max_tokens (`int`): the most tokens to accept.
+            choices (`list[int]`, *optional*): `read_choices(logits)`, where the step read them.
         """
         # Greedy without processors chooses the raw argmax: every row's, read in the step's one host transfer.
         fast = not self.reads_text
@@ -162,45 +141,32 @@ class GreedyVerifier:
 
     @property
     def reads_text(self) -> bool:
-        """Whether verifying reads the sequence's text (`input_ids`): processors read it, sampling its length."""
+        """Whether verifying reads the text: processors read it, sampling its length."""
         return bool(self.logits_processor) or not self.argmax_of_raw_logits
 
     def choose(self, scores: torch.Tensor, position: int) -> int:
-        """
-        The token at a node, from its processed scores (shape `(vocab,)`), to be placed at index `position` of the
-        sequence. The walk continues at the candidate holding the returned token, if any.
-        """
+        """The token at index `position` of the text, from its processed `scores` (`(vocab,)`)."""
         return int(greedy_tokens(scores))
 
 
 class PositionNoise:
     """
-    Gumbel noise for every position of one sequence, drawn from the sequence's seed and the position alone:
-    `argmax(scores + noise(position))` samples `softmax(scores)` (the Gumbel-max trick), and the sampled text is the
-    same whatever candidates a step verified.
-
-    Args:
-        seed (`int`): the sequence's seed (drawn from torch's global generator, so `torch.manual_seed` fixes it).
+    Gumbel noise per position of one sequence, from its `seed` and the position alone: `argmax(scores + noise)`
+    samples `softmax(scores)`, and the text is the same whatever candidates a step verified.
     """
 
     def __init__(self, seed: int):
         self.seed = seed
 
     def __call__(self, position: int, size: int) -> torch.Tensor:
-        """The noise of `position`: `size` independent standard Gumbel values (on the CPU), shape `(size,)`."""
+        """`size` standard Gumbel values for `position`, on the CPU."""
         generator = torch.Generator().manual_seed(_mix(self.seed, position))
         # Uniform in (0, 1]: -log(-log(u)) is finite except at u = 1 (+inf, probability 2^-53 per value).
         uniform = 1.0 - torch.rand(size, generator=generator, dtype=torch.float64, device="cpu")
         return -torch.log(-torch.log(uniform))
 
     def sample(self, scores: torch.Tensor, position: int) -> int:
-        """
-        The token sampled from `softmax(scores)` at index `position` of the sequence.
-
-        Args:
-            scores (`torch.Tensor` of shape `(vocab,)`): processed scores (`-inf` for tokens ruled out).
-            position (`int`): where the token goes in the sequence.
-        """
+        """The token sampled from `softmax(scores)` (`(vocab,)`) at index `position` of the text."""
         noise = self(position, scores.shape[-1]).to(scores.device)
         return int((scores.to(torch.float64) + noise).argmax(-1))
 
@@ -215,13 +181,8 @@ def _mix(seed: int, position: int) -> int:
 
 class SamplingVerifier(GreedyVerifier):
     """
-    Verification that keeps plain sampling's distribution: each position's token is `argmax(scores + noise)`, the
-    processed and warped scores plus the position's Gumbel noise (`PositionNoise`), a sample of `softmax(scores)`.
-    It is the greedy walk on perturbed scores, so the text depends on the seed and the model, never the candidates.
-
-    Args:
-        logits_processor (`LogitsProcessorList`): the processors and warpers `generate` built for the call.
-        noise (`PositionNoise`): the sequence's noise.
+    Verification that keeps plain sampling's distribution: the greedy walk on the processed scores plus each
+    position's Gumbel `noise`, so the text depends on the seed and the model, never the candidates.
     """
 
     argmax_of_raw_logits = False
@@ -236,15 +197,8 @@ class SamplingVerifier(GreedyVerifier):
 
 def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: int) -> LogitsProcessorList:
     """
-    The processors `generate` built for the whole batch, as they apply to one row called alone (a step verifies
-    every row on its own). Those holding per-row data or state get a copy for the row: the prefix function gets the
-    row's index, a per-row `prompt_ignore_length` and the encoder processors' inputs are cut to the row's (rows of
-    one input consecutive, as with `num_return_sequences`), and the SynthID watermark starts its own state.
-
-    Args:
-        logits_processor (`LogitsProcessorList`): the processors of the call.
-        row (`int`): the row.
-        rows (`int`): the rows of the batch (inputs x `num_return_sequences`).
+    The batch's processors as they apply to `row` of `rows` called alone: those holding per-row data or state get a
+    copy for the row (the prefix function its index, per-row inputs cut to the row's, SynthID its own state).
     """
     adapted = LogitsProcessorList()
     for processor in logits_processor:
