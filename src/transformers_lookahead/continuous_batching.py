@@ -89,28 +89,19 @@ class LookaheadGenerationOutput(GenerationOutput):
 
 class LookaheadBatching:
     """
-    The lookahead part of a continuous-batching engine: one per manager, holding every decoding request's lookahead.
-
-    Each step: `plan` gives every decoding request its block (before the scheduler budgets and pages it like any
-    query tokens), `lay_out` writes the blocks' positions and masks over the batch Transformers prepared, `accept`
-    verifies each request and appends what it accepted, and `commit` moves the accepted KV entries into place.
-
-    With `lookahead_window="auto"` the step settles on one length per request (`batch_step_length`) priced as
-    `decoding requests x length` tokens, so a lightly loaded engine verifies many tokens per request and a full one
-    takes one-token steps. The price comes from the engine's own timed steps (`EngineStepCost`), before that from
-    the model's previous engine's (kept in the `LookaheadState`), and in its first engine from the cost table.
+    The lookahead part of a continuous-batching engine, holding every decoding request's lookahead. Each step `plan`
+    gives every decoding request its block (before the scheduler budgets and pages it), `lay_out` writes the blocks'
+    positions and masks over the batch Transformers prepared, `accept` verifies each request, and `commit` moves the
+    accepted KV entries into place. With `"auto"` the step settles on one length per request priced as `requests x
+    length` tokens (by the engine's own timed steps once it has some), so a full engine takes one-token steps.
 
     Args:
-        model (`PreTrainedModel`): the model.
-        config (`LookaheadConfig`): the step shape.
-        generation_config (`GenerationConfig`): the engine's generation config.
+        model (`PreTrainedModel`), config (`LookaheadConfig`), generation_config (`GenerationConfig`): the engine's.
         logits_processor (`LogitsProcessorList`): the processors `generate` would build for it.
-        state (`LookaheadState`): where the carried estimates and the suffix memory live.
-        cost (`StepCostModel`, *optional*): the model's step-cost table (for `"auto"`), measured before the engine
-            switched the model to paged attention.
-        max_batch_tokens (`int`): the engine's token budget per forward pass.
-        query_padding (`int`, *optional*): the multiple the engine pads a step's query tokens to, where it pads them
-            (compiled or captured steps): `"auto"` then prices a step as its padded length.
+        state (`LookaheadState`): the carried estimates and the suffix memory.
+        cost (`StepCostModel`, *optional*): `"auto"`'s table, measured before the engine switched to paged attention.
+        max_batch_tokens (`int`): the engine's token budget per pass.
+        query_padding (`int`, *optional*): the multiple the engine pads queries to, where it pads them.
     """
 
     def __init__(
@@ -332,13 +323,9 @@ class LookaheadBatching:
 
 class LookaheadModelRunner(ModelRunnerHooks):
     """
-    Transformers' `ModelRunner` for an engine that pads its steps (a `varlen_compile_config`, or `use_cuda_graph` on
-    an accelerator): a step's logits rows are read from one index buffer and its logits written to one buffer, both
-    allocated once at the engine's token budget, so that a step of a padded shape is one compiled graph or one
-    captured CUDA graph whatever its blocks hold. The engine pads each step's query tokens to a multiple of its
-    `q_padding_interval_size` and its keys to one of `kv_padding_interval_size`; a lookahead block is query tokens
-    like any other, so those intervals are the steps' buckets. The logits buffer holds `max_batch_tokens x vocabulary`
-    values in the model's dtype.
+    Transformers' `ModelRunner` for an engine that pads its steps (compiled, or captured CUDA graphs): logits rows and
+    logits live in buffers allocated once at the token budget (`max_batch_tokens x vocabulary` in the model's
+    dtype), so a padded shape is one graph whatever its blocks hold; the padding intervals are the steps' buckets.
     """
 
     rows: torch.LongTensor
@@ -377,9 +364,8 @@ class LookaheadModelRunner(ModelRunnerHooks):
 
 class LookaheadBatchProcessor(BatchProcessorHooks):
     """
-    Transformers' `ContinuousBatchProcessor` whose steps carry lookahead blocks (see `LookaheadBatching`). Made by
-    `adopt` from the processor Transformers built, so that everything else (scheduling, paging, offloading, prefix
-    sharing, cancellation) is the stock code.
+    Transformers' `ContinuousBatchProcessor` whose steps carry lookahead blocks, `adopt`ed from the one Transformers
+    built: scheduling, paging, offloading, prefix sharing and cancellation stay the stock code.
     """
 
     lookahead: LookaheadBatching
@@ -494,13 +480,7 @@ class LookaheadContinuousBatchingManager(ManagerHooks):
         return LookaheadBatchProcessor.adopt(processor, self.model, lookahead)
 
     def add_request(self, input_ids: list[int], *args: Any, **kwargs: Any) -> str | None:
-        """
-        The stock `add_request`, whose per-request sampling settings (`temperature`, `top_k`, `top_p`, with
-        `per_request_processors=True`) are checked here, before anything runs: a step verifies the request with them.
-
-        Raises:
-            `ValueError` for a setting its warper refuses (e.g. `temperature=0` or `top_p=1.5`), naming it.
-        """
+        """The stock `add_request`, its per-request sampling settings checked first (a `ValueError` names one refused)."""
         request_processors(self.logit_processor.logits_processor, kwargs)
         return super().add_request(input_ids, *args, **kwargs)
 
@@ -512,22 +492,10 @@ def init_continuous_batching_with_lookahead(
     workload_hints: Any = None,
 ) -> ContinuousBatchingManager:
     """
-    The model's `init_continuous_batching`, whose engine decodes with lookahead when a `lookahead_window` is set (in
-    `generation_config`, or the model's own): `generate_batch` and `continuous_batching_context_manager` go through
-    it too. Without one the stock manager is returned.
-
-    Args:
-        model (`PreTrainedModel`): a decoder-only model with full-attention layers only, loaded with `sdpa` or
-            `eager` attention (lookahead blocks need an explicit mask).
-        generation_config (`GenerationConfig`, *optional*): as for `init_continuous_batching`.
-        continuous_batching_config (`ContinuousBatchingConfig`, *optional*): as for `init_continuous_batching`;
-            lookahead runs the synchronous engine. With a `varlen_compile_config` (or `use_cuda_graph=True` on an
-            accelerator) the engine pads every step to its padding intervals and runs it compiled (or captured);
-            see `LookaheadModelRunner`.
-        workload_hints (`WorkloadHints`, *optional*): as for `init_continuous_batching`.
-
-    Raises:
-        `ValueError`, before anything runs, for a setting lookahead cannot serve inside continuous batching.
+    The model's `init_continuous_batching` (which `generate_batch` calls), whose engine decodes with lookahead when a
+    `lookahead_window` is set; the stock manager otherwise. The model needs full-attention layers only and `sdpa` or
+    `eager` attention; the engine runs synchronously, compiled or captured where its config asks. Arguments are
+    `init_continuous_batching`'s; a `ValueError` names, before anything runs, a setting lookahead cannot serve.
     """
     stock = _class_init_continuous_batching(model)
     generation = generation_config if generation_config is not None else model.generation_config
@@ -610,17 +578,8 @@ def _lookahead_cb_config(
 
 def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:
     """
-    The processors one request is verified with. With `per_request_processors=True` Transformers replaces the
-    temperature, top-k and top-p warpers by ones that read every request's setting (`logit_processor_kwargs`, the
-    warper's own value where a request has none) over the whole batch; a step verifies each request on its own, so
-    the request gets the stock warper with its value. Other processors are the engine's.
-
-    Args:
-        processors (`LogitsProcessorList`): the engine's processors.
-        settings (`dict[str, Any]`): the request's `logit_processor_kwargs`.
-
-    Raises:
-        `ValueError` for a setting the stock warper refuses, naming it.
+    The processors one request is verified with: the engine's, its per-request temperature / top-k / top-p warpers
+    (`per_request_processors=True`) replaced by the stock warper with the request's `settings` value.
     """
     own = LogitsProcessorList()
     for processor in processors:

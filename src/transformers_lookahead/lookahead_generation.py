@@ -1,7 +1,6 @@
 """
-How `generate` reaches the lookahead loop: `generate_with_lookahead` (a model's `generate` with the `lookahead_*`
-settings) hands `GenerationMixin.generate` the loop as a `custom_generate` callable (`generate`), which builds it
-with the fixed-shape `fixed_shape_decoder` unless the caller passes another builder.
+How `generate` reaches the lookahead loop: `generate_with_lookahead` hands `GenerationMixin.generate` the loop as a
+`custom_generate` callable (`generate`), built by `fixed_shape_decoder` unless the caller passes another builder.
 """
 
 from __future__ import annotations
@@ -46,12 +45,8 @@ def fixed_shape_decoder(
     batch_size: int,
 ) -> LookaheadDecoder:
     """
-    The paper's loop: every step holds the whole window and every pooled candidate. `"auto"`, chain steps for
-    recurrent layers and the model check come with `generation_mixin.lookahead_decoder`.
-
-    Args:
-        model_kwargs (`dict`): what `generate` prepared: the cache, the padding mask, an encoder's outputs.
-        batch_size (`int`): rows of the batch (after `num_return_sequences`).
+    The paper's loop (every step holds the whole window and every pooled candidate), from what `generate` prepared
+    (`model_kwargs`) for `batch_size` rows; `generation_mixin.lookahead_decoder` adds the rest.
     """
     if config.adaptive:
         raise ValueError(
@@ -84,18 +79,14 @@ def generate_with_lookahead(
     **kwargs: Any,
 ):
     """
-    The model's `generate`, decoding with lookahead when a `lookahead_window` is set.
+    The model's `generate`, decoding with lookahead when a `lookahead_window` is set (`"off"` never does).
 
     Args:
-        model (`PreTrainedModel`): a decoder-only model, or an encoder-decoder model whose decoder takes position ids.
-        inputs (`torch.Tensor`, *optional*): as for `generate`.
-        generation_config (`GenerationConfig`, *optional*): as for `generate`; may hold `lookahead_*` fields.
-        defaults (`Mapping`, *optional*): `lookahead_*` values for the fields neither the call nor a generation config
-            sets. Without a `lookahead_window` there, calls that set none decode as usual; `"off"` always does.
+        model (`PreTrainedModel`), inputs (`torch.Tensor`, *optional*), generation_config (`GenerationConfig`,
+            *optional*), kwargs: as for `generate`, `lookahead_*` settings included.
+        defaults (`Mapping`, *optional*): `lookahead_*` values for the fields nothing else sets.
         build (`DecoderBuilder`, *optional*): builds the loop; `fixed_shape_decoder` by default.
-        plain_generate (`Callable`, *optional*): the `generate` that prepares the inputs; the model class's own by
-            default (Whisper's prepares its prompt and processors before `GenerationMixin.generate`).
-        kwargs: the other `generate` arguments, `lookahead_*` ones included.
+        plain_generate (`Callable`, *optional*): the `generate` preparing the inputs; the model class's by default.
     """
     # Read from the class, not the object: a model folder's `custom_generate/` replaces the object's `generate`.
     plain_generate = plain_generate or type(model).generate.__get__(model, type(model))
@@ -134,11 +125,7 @@ def generate_with_lookahead(
 def _reserve_static_cache_room(
     model: PreTrainedModel, inputs: torch.Tensor | None, sources: tuple, kwargs: dict, room: int
 ) -> None:
-    """
-    Asks a static cache that `generate` builds for `room` entries past plain decoding's `max_length - 1`: a step is
-    written past the accepted tokens before it is rolled back. Encoder-decoder decoders' prompt lengths are unknown
-    here; their steps shrink to what fits.
-    """
+    """Asks a static cache for `room` entries past `max_length - 1`: a step is written before it is rolled back."""
     if first_set("cache_implementation", *sources) != "static" or model.config.is_encoder_decoder:
         return
     max_new_tokens = first_set("max_new_tokens", *sources)
@@ -153,10 +140,7 @@ def _reserve_static_cache_room(
 
 
 def _bind_stop_strings(stop_strings: str | list[str] | None, kwargs: dict) -> None:
-    """
-    Builds the `StopStringCriteria` of `stop_strings` + `tokenizer` into `kwargs["stopping_criteria"]`: `generate`
-    drops the tokenizer before building a `custom_generate` callable's criteria, then refuses the stop strings.
-    """
+    """Builds the stop strings' criterion: `generate` drops a `custom_generate` callable's tokenizer, then refuses them."""
     tokenizer = kwargs.pop("tokenizer", None)
     if not stop_strings or tokenizer is None:
         if tokenizer is not None:
@@ -191,36 +175,25 @@ def generate(
     **model_kwargs: Any,
 ) -> LookaheadDecoderOnlyOutput | LookaheadEncoderDecoderOutput | torch.LongTensor:
     r"""
-    Generates with lookahead decoding: each step runs one forward pass that advances a Jacobi window of guesses and
-    verifies candidate n-grams, then accepts every verified token plus one. Greedy output is plain greedy's, sampled
-    output follows plain sampling's distribution, with the same logits processors and stopping criteria.
-
-    `generate` calls this after preparing the inputs, as a `custom_generate` callable or from
-    `generate_with_lookahead`.
+    Generates with lookahead decoding, as a `custom_generate` callable `generate` calls after preparing the inputs:
+    greedy output is plain greedy's, sampled output follows plain sampling's distribution.
 
     Args:
-        model (`PreTrainedModel`): a decoder-only model whose attention applies custom 4D masks, or an
-            encoder-decoder model whose decoder also takes position ids (Whisper).
-        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the (decoder) prompts, left-padded as
-            `model_kwargs["attention_mask"]` (`"decoder_attention_mask"`) says.
-        logits_processor (`LogitsProcessorList`): applied to every accepted position.
-        stopping_criteria (`StoppingCriteriaList`): checked after every accepted token.
-        generation_config (`GenerationConfig`): the resolved generation config.
-        synced_gpus (`bool`, *optional*, defaults to `False`): unsupported, must be False.
-        lookahead_window, lookahead_ngram, lookahead_guess, lookahead_pool_from_prompt, lookahead_cache_commit,
-        lookahead_memory, lookahead_memory_size, lookahead_memory_namespace (*optional*): `LookaheadConfig`'s fields,
-            named because Transformers passes a `custom_generate` callable only the arguments its signature names.
-        lookahead_config (`LookaheadConfig`, *optional*): the settings, already resolved; the arguments above are
-            then ignored.
+        model (`PreTrainedModel`): a model whose attention applies custom 4D masks.
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the (decoder) prompts, left-padded.
+        logits_processor (`LogitsProcessorList`), stopping_criteria (`StoppingCriteriaList`), generation_config
+            (`GenerationConfig`), synced_gpus (`bool`): what `generate` prepared (`synced_gpus` must be False).
+        lookahead_window, ..., lookahead_memory_namespace (*optional*): `LookaheadConfig`'s fields, named so that
+            `generate` passes them; `lookahead_config`, already resolved, wins over them.
         lookahead_build (`DecoderBuilder`, *optional*): builds the loop; `fixed_shape_decoder` by default.
         lookahead_streamer (`BaseStreamer`, *optional*): receives the prompt, then every accepted chunk.
         lookahead_assistant_model (`PreTrainedModel`, *optional*): only checked, to refuse assisted decoding.
         lookahead_default_window (`int` or `"auto"`, *optional*): the window where nothing sets one.
-        model_kwargs: the model keyword arguments `generate` prepared, the cache among them.
+        model_kwargs: what `generate` prepared for the model, the cache among them.
 
     Returns:
-        `torch.LongTensor` of shape `(batch_size, length)` (finished rows padded with `pad_token_id`), or
-        `LookaheadDecoderOnlyOutput` (`LookaheadEncoderDecoderOutput`) if `return_dict_in_generate=True`.
+        `torch.LongTensor` (finished rows padded with `pad_token_id`), or `LookaheadDecoderOnlyOutput`
+        (`LookaheadEncoderDecoderOutput`) with `return_dict_in_generate=True`.
     """
     config = lookahead_config
     if config is None:
