@@ -1,7 +1,7 @@
 """
 What a Hub user gains: SmolLM2-135M-Instruct in a venv with stock torch and Transformers only (`utils/stock_venv.py`),
-plain greedy against the generated strategy repository (`custom_generate=<repo>`, its defaults: `"auto"`, no memory),
-interleaved per prompt, on HumanEval and MT-Bench tuning prompts.
+plain greedy against the generated strategy repository (`custom_generate=<repo>`, its defaults: the core's fixed
+window W = 7, N = 5, G = 7), interleaved per prompt, on HumanEval and MT-Bench tuning prompts.
 
     python utils/hub_benchmark.py                       # 4 + 4 prompts, 128 new tokens, 2 repeats
     python utils/hub_benchmark.py --num-prompts 8 --repeats 3 --output bench_out/hub.json
@@ -27,9 +27,9 @@ def inside(job: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
     passes = []
     model.register_forward_hook(lambda *_: passes.append(1))
-    methods = {"greedy": {}, "hub_auto": {"custom_generate": job["repo"], "trust_remote_code": True}}
+    methods = {"greedy": {}, "hub": {"custom_generate": job["repo"], "trust_remote_code": True}}
     common = {"max_new_tokens": job["max_new_tokens"], "do_sample": False}
-    # Warm-up: kernels, and the strategy's first call, which measures this machine's step costs.
+    # Warm-up: kernels, and the strategy's first call, which loads its modules.
     for kwargs in methods.values():
         model.generate(torch.tensor([job["prompts"][0]["ids"]]), **common, **kwargs)
     runs = []
@@ -77,10 +77,10 @@ def summary(result: dict) -> dict:
                     for run in runs
                     if run["prompt_id"] == prompt_id and run["method"] == method
                 )
-                for method in ("greedy", "hub_auto")
+                for method in ("greedy", "hub")
             }
-            ratios.append(speed["hub_auto"] / speed["greedy"])
-        hub = [run for run in runs if run["method"] == "hub_auto"]
+            ratios.append(speed["hub"] / speed["greedy"])
+        hub = [run for run in runs if run["method"] == "hub"]
         by_dataset[dataset] = {
             "prompts": len(ratios),
             "median_speedup": round(statistics.median(ratios), 3),
@@ -96,11 +96,13 @@ def main() -> None:
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
     from transformers import AutoTokenizer
 
     from utils.assets import chat_input_ids, model_path, tuning_prompts
     from utils.build_hub_repo import build_hub_repo
     from utils.stock_venv import run_in_stock_venv
+    from utils.timing import native_half_precision, provenance
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=4, help="tuning prompts per dataset")
@@ -130,6 +132,16 @@ def main() -> None:
         result = run_in_stock_venv(Path(__file__).resolve(), {"inside": job}, timeout=5400)
     result["summary"] = summary(result)
     result["settings"] = {key: value for key, value in vars(args).items() if key != "output"}
+    result["environment"] = {
+        "threads": args.threads,
+        "device": "cpu",
+        "dtype": "float32",
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "command": "python -m utils.bench hub-benchmark " + " ".join(sys.argv[1:]),
+        "native_half_precision": native_half_precision(torch.device("cpu")),
+        **provenance(),
+    }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1))

@@ -395,8 +395,8 @@ KINDS = [
     ),
     Kind(
         "The Hub route in a stock venv",
-        "`custom_generate=<the generated repository>` in a venv holding stock torch and Transformers only "
-        "(`utils/hub_benchmark.py`), fp32.",
+        "`custom_generate=<the generated repository>` (the core, its default W = 7, N = 5, G = 7) in a venv holding "
+        "stock torch and Transformers only (`utils/hub_benchmark.py`), fp32.",
         lambda r: isinstance(r.get("summary"), dict) and "humaneval" in r["summary"],
         _hub_table,
     ),
