@@ -38,10 +38,11 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from transformers_lookahead.compatibility import ROLLBACK_LAYERS, pad_token_id
 from transformers_lookahead.configuration_lookahead import LookaheadConfig
-from transformers_lookahead.continuous_batching import LookaheadBatching, LookaheadBatchProcessor
+from transformers_lookahead.continuous_batching import LookaheadBatching
 from transformers_lookahead.engine_compatibility import (
     PER_REQUEST_WARPERS,
     BatchProcessorHooks,
+    LookaheadBatchProcessor,
     ModelRunnerHooks,
     move_accepted_entries,
     release_pages_past,

@@ -59,7 +59,13 @@ def inside(job: dict) -> dict:
         for run in runs:
             if run["prompt_id"] == prompt["id"]:
                 run["identical_to_greedy"] = run.pop("tokens") == reference[0].tolist()
-    return {"runs": runs, "torch_threads": torch.get_num_threads()}
+    import transformers
+
+    return {
+        "runs": runs,
+        "torch_threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
 
 
 def summary(result: dict) -> dict:
@@ -113,6 +119,8 @@ def main() -> None:
     parser.add_argument("--output", default="bench_out/hub.json")
     args = parser.parse_args()
 
+    # Recorded before the run: the repository is built from the tree as it is now.
+    recorded = provenance()
     folder = model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = []
@@ -140,7 +148,8 @@ def main() -> None:
         "repeats": args.repeats,
         "command": "python -m utils.bench hub-benchmark " + " ".join(sys.argv[1:]),
         "native_half_precision": native_half_precision(torch.device("cpu")),
-        **provenance(),
+        **result.pop("versions"),
+        **recorded,
     }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

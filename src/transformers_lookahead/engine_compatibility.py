@@ -1,12 +1,15 @@
 """
 Transformers' continuous-batching engine (`transformers.generation.continuous_batching`) as the lookahead engine
-reaches it, in one place: the processor, model runner and manager methods it overrides, the paged-cache moves of a
-step, and the request settings its warpers read. A release that changes one breaks here, and
-`tests/test_compatibility.py` says which one moved.
+reaches it, in one place: the processor, model runner and manager it takes over (`LookaheadBatchProcessor` and
+`LookaheadModelRunner` run a step's lookahead blocks, which `continuous_batching.LookaheadBatching` plans and
+verifies), the paged-cache moves of a step, and the request settings its warpers read. A release that changes one
+breaks here, and `tests/test_compatibility.py` says which one moved.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,10 +18,15 @@ from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchProcessor,
 )
 from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
+
+from .step_forward import logits_at
+from .verification import read_choices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-    from transformers.generation.continuous_batching.requests import RequestState
+
+    from .continuous_batching import LookaheadBatching
 
 # Transformers' per-request warpers (`per_request_processors=True`, as `transformers serve --continuous-batching`
 # sets), and the request setting each reads.
@@ -161,3 +169,142 @@ def mark_kept_blocks(cache: Any, state: RequestState, past: int) -> None:
             complete[name] = count
     if complete:
         cache.mark_complete_blocks(state, complete)
+
+
+@dataclass
+class LookaheadGenerationOutput(GenerationOutput):
+    """
+    `GenerationOutput` of continuous batching, plus what lookahead did for the request.
+
+    Args:
+        accepted_per_step (`list[int]`): tokens the request accepted at each of its forward passes after the prefill
+            (1 for a step that verified nothing).
+    """
+
+    accepted_per_step: list[int] = field(default_factory=list)
+
+
+class LookaheadModelRunner(ModelRunnerHooks):
+    """
+    Transformers' `ModelRunner` for an engine that pads its steps (compiled, or captured CUDA graphs): logits rows and
+    logits live in buffers allocated once at the token budget (`max_batch_tokens x vocabulary` in the model's
+    dtype), so a padded shape is one graph whatever its blocks hold; the padding intervals are the steps' buckets.
+    """
+
+    rows: torch.LongTensor
+    logits: torch.Tensor
+
+    @classmethod
+    def adopt(cls, runner: ModelRunnerHooks, model: PreTrainedModel, max_batch_tokens: int) -> LookaheadModelRunner:
+        runner = taken_over(runner, cls)
+        head = model.get_output_embeddings()
+        vocabulary = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+        runner.rows = torch.zeros(max_batch_tokens, dtype=torch.long, device=model.device)
+        runner.logits = torch.empty(max_batch_tokens, vocabulary, dtype=model.dtype, device=model.device)
+        runner.compile_step_function()
+        return runner
+
+    def step_function(self, model: torch.nn.Module, batch_data: dict) -> None:
+        # Rows and logits as long as the padded query, so that the shape the engine keys its graphs on fixes both;
+        # the engine's own sampling is left out: each request is verified on the host.
+        length = batch_data["input_ids"].shape[1]
+        rows = self.rows[:length]
+        self.logits[:length].copy_(logits_at(model, batch_data, rows, "logits_to_keep" in batch_data)[0])
+
+    def run(self, model: torch.nn.Module, batch_data: dict, rows: list[int]) -> torch.Tensor:
+        """Runs one step whose logits are needed at `rows`, and returns them."""
+        length = batch_data["input_ids"].shape[1]
+        self.rows[:length].copy_(torch.tensor(rows + [0] * (length - len(rows)), dtype=torch.long))
+        stream = self.inputs_and_outputs.compute_stream
+        if stream is not None:
+            # The engine runs the step on a stream of its own; the blocks' positions and masks and the rows were
+            # written on this one.
+            stream.wait_stream(torch.get_device_module(model.device).current_stream())
+        self.compute_batch(model, batch_data)
+        self.inputs_and_outputs.retrieve_device_outputs()
+        return self.logits[: len(rows)]
+
+
+class LookaheadBatchProcessor(BatchProcessorHooks):
+    """
+    Transformers' `ContinuousBatchProcessor` whose steps carry lookahead blocks, `adopt`ed from the one Transformers
+    built: scheduling, paging, offloading, prefix sharing and cancellation stay the stock code.
+    """
+
+    lookahead: LookaheadBatching
+
+    @classmethod
+    def adopt(
+        cls, processor: ContinuousBatchProcessor, model: PreTrainedModel, lookahead: LookaheadBatching
+    ) -> LookaheadBatchProcessor:
+        processor = taken_over(processor, cls)
+        processor.lookahead = lookahead
+        runner = processor.model_runner
+        if runner.pad_inputs:
+            processor.model_runner = LookaheadModelRunner.adopt(runner, model, lookahead.max_batch_tokens)
+        processor.step_rows = None
+        processor.step_started = 0.0
+        return processor
+
+    def reset(self) -> None:
+        super().reset()
+        self.lookahead.reset()
+
+    def prepare_next_batch(self) -> bool:
+        # A step is priced whole (`EngineStepCost`): from here, planning, to `update_batch`'s last cache move.
+        self.step_started = time.perf_counter()
+        scheduler = self.scheduler
+        self.lookahead.plan(scheduler.active_requests, requests_wait=bool(scheduler.waiting_requests))
+        ready = super().prepare_next_batch()
+        batch = self.inputs_and_outputs.requests_in_batch if ready else []
+        self.lookahead.unplan({future.state.request_id for future in batch}, scheduler.active_requests)
+        if ready:
+            self.step_rows = self.lookahead.lay_out(self.inputs_and_outputs)
+        return ready
+
+    @torch.no_grad()
+    def forward_step(self, model: torch.nn.Module) -> None:
+        rows = self.step_rows
+        if isinstance(self.model_runner, LookaheadModelRunner):
+            batch = self.inputs_and_outputs.get_model_kwargs(use_padding=True)
+            logits = self.model_runner.run(model, batch, rows)
+        else:
+            batch = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
+            rows = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
+            batch["logits_indices"] = rows
+            logits = logits_at(model, batch, rows, self.model_runner.supports_logits_to_keep(model))[0]
+        # Kept in the model's dtype: verification converts only the rows its walk reads, as in `generate`. The
+        # choices at every row reach the host in the step's one transfer.
+        self.lookahead.logits = logits
+        self.lookahead.choices = read_choices(logits)
+
+    def update_batch(self) -> None:
+        settled = []
+        for future in self.inputs_and_outputs.requests_in_batch:
+            state = future.state
+            if state.status in (RequestStatus.FINISHED, RequestStatus.PENDING):
+                raise RuntimeError(f"Tried to update {state.status.name} request {state.request_id} in sync mode.")
+            if future.has_new_token:
+                if state.generated_len() == 0:
+                    state.status = RequestStatus.DECODING
+                settled.append((future, *self.lookahead.accept(state, self.return_logprobs)))
+            elif state.status == RequestStatus.PREFILLING:
+                self.cache.mark_complete_blocks(state, future.complete_blocks)
+        self.lookahead.commit(self.cache)
+        outputs = []
+        for future, lookahead, step, finished in settled:
+            state = future.state
+            if step is not None and step.row.length > 1:
+                mark_kept_blocks(self.cache, state, step.past)
+            else:
+                self.cache.mark_complete_blocks(state, future.complete_blocks)
+            if finished:
+                self.scheduler.finish_request(state.request_id)
+                self.scheduler.block_new_requests = False
+            if state.streaming or finished:
+                output = state.to_generation_output()
+                outputs.append(LookaheadGenerationOutput(**vars(output), accepted_per_step=list(lookahead.accepted)))
+        # The step's choices were read on the host, so the device's work is done by now.
+        self.lookahead.observe_step(time.perf_counter() - self.step_started)
+        if outputs:
+            self.output_router.deliver_batch(outputs)
