@@ -47,7 +47,7 @@ METHODS = {
     "lookahead_auto_static_compiled": '`"auto"`, static cache, compiled',
     "batched_greedy": "greedy in a batch of two",
 }
-SPLITS = {"humaneval": "HumanEval", "mt_bench (all)": "MT-Bench", "speech (whisper)": "speech"}
+SPLITS = {"humaneval": "HumanEval", "mt_bench (all)": "MT-Bench", "mt_bench": "MT-Bench", "speech (whisper)": "speech"}
 # The methods a README headline run compares, on both splits.
 METHODS_COMPARED = ("greedy", "prompt_lookup", "lookahead_auto")
 # Flags that say where a run wrote its files, not what it measured.
