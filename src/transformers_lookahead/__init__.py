@@ -5,8 +5,8 @@ One way for each use:
 - in this process: `enable_lookahead(model)`, then `model.generate(..., lookahead_window="auto")` (or a class that
   puts `LookaheadGenerationMixin` in front of its model class);
 - a model folder that stock Transformers loads with lookahead on: `save_lookahead_model(model, folder, tokenizer)`;
-- a Hub strategy repository (`custom_generate=<repo>`): `write_custom_generate(folder)`, which `utils/build_hub_repo.py`
-  completes with the repository's README.
+- a Hub strategy repository (`custom_generate=<repo>`), the core alone: `write_custom_generate(folder)`, which
+  `utils/build_hub_repo.py` completes with the repository's README.
 
 `generate` is the decoding loop itself, for `model.generate(..., custom_generate=transformers_lookahead.generate)`.
 """
