@@ -29,7 +29,15 @@ from utils.distribution_check import homogeneity_p_value
 from utils.transformers_compatibility import set_attention_implementation_unchecked
 
 from .test_verification import P_VALUE
-from .utils import SMALL_VOCABULARY, checked, flat_state, random_prompt, small_vocabulary_model, tiny_model
+from .utils import (
+    SMALL_VOCABULARY,
+    ForwardCounter,
+    checked,
+    flat_state,
+    random_prompt,
+    small_vocabulary_model,
+    tiny_model,
+)
 
 LENGTHS = [3, 5, 9, 13, 20, 7]
 SHAPES = [{"lookahead_window": 4, "lookahead_ngram": 3}, {"lookahead_window": "auto"}]
@@ -58,28 +66,12 @@ def _collect_results(test: unittest.TestCase, manager, results: dict, count: int
     return results
 
 
-class _ForwardCounter:
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.register_forward_hook(self._count)
-
-    def _count(self, *_):
-        self.count += 1
-
-    def __enter__(self):
-        self.count = 0
-        return self
-
-    def __exit__(self, *_):
-        return False
-
-
 class ContinuousBatchingExactnessTest(unittest.TestCase):
     @parameterized.expand([("llama",), ("qwen2",)])
     def test_identical_to_plain_generate_batch_in_fewer_passes(self, name):
         # Checked first: the first lookahead call checks the model with passes of its own, not counted here.
         model = checked(enable_lookahead(tiny_model(name, "sdpa"), flat_state()))
-        counter = _ForwardCounter(model)
+        counter = ForwardCounter(model)
         self.addCleanup(counter.handle.remove)
         prompts = _prompts()
         with counter:
@@ -519,7 +511,7 @@ class PerRequestSettingsTest(unittest.TestCase):
         model = checked(enable_lookahead(tiny_model("llama", "sdpa")))
         engine = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512, per_request_processors=True)
         config = _config(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, lookahead_window=4)
-        counter = _ForwardCounter(model)
+        counter = ForwardCounter(model)
         self.addCleanup(counter.handle.remove)
         with counter:
             manager = model.init_continuous_batching(config, engine)
@@ -565,7 +557,7 @@ class ContinuousBatchingSetupTest(unittest.TestCase):
     )
     def test_refuses_what_it_cannot_serve_before_anything_runs(self, _, name, engine, generation, message):
         model = enable_lookahead(tiny_model(name, "sdpa"))
-        counter = _ForwardCounter(model)
+        counter = ForwardCounter(model)
         self.addCleanup(counter.handle.remove)
         with counter, self.assertRaises(ValueError) as raised:
             model.generate_batch(

@@ -10,18 +10,7 @@ from transformers_lookahead.generation_mixin import lookahead_decoder
 from transformers_lookahead.lookahead_generation import fixed_shape_decoder, generate, generate_with_lookahead
 
 from .test_chain_steps import _tiny_hybrid
-from .utils import left_padded, random_prompt, tiny_model
-
-
-class ForwardCounter:
-    """Counts a model's forward passes (a forward hook), so a test sees whether a refusal came before any."""
-
-    def __init__(self, model):
-        self.passes = 0
-        self.handle = model.register_forward_hook(self._count)
-
-    def _count(self, *_):
-        self.passes += 1
+from .utils import ForwardCounter, left_padded, random_prompt, tiny_model
 
 
 class FixedShapeDecoderTest(unittest.TestCase):
@@ -51,7 +40,7 @@ class FixedShapeDecoderTest(unittest.TestCase):
         counter = ForwardCounter(model)
         with self.assertRaisesRegex(ValueError, r'lookahead_window="auto".*`transformers-lookahead` package'):
             generate_with_lookahead(model, random_prompt(12), max_new_tokens=8, lookahead_window="auto")
-        self.assertEqual(counter.passes, 0)
+        self.assertEqual(counter.count, 0)
 
     def test_a_hybrid_is_refused_by_name(self):
         # Chain steps for recurrent layers are the package's (`chain_steps`); the core keeps no recurrent state.
@@ -87,9 +76,9 @@ class BuilderTest(unittest.TestCase):
         prompt = random_prompt(16, seed=5)
         counter = ForwardCounter(model)
         expected = model.generate(prompt, max_new_tokens=10, do_sample=False)
-        plain_passes = counter.passes
+        plain_passes = counter.count
         for settings in ({}, {"lookahead_window": "off"}):
-            counter.passes = 0
+            counter.count = 0
             out = generate_with_lookahead(model, prompt, max_new_tokens=10, do_sample=False, **settings)
             self.assertTrue(torch.equal(out, expected))
-            self.assertEqual(counter.passes, plain_passes, "one pass per token")
+            self.assertEqual(counter.count, plain_passes, "one pass per token")

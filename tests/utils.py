@@ -196,6 +196,24 @@ HOST_READS = {
 NUMBER_ARGUMENTS = {torch.arange, torch.full, torch.zeros, torch.ones, torch.empty, torch.tensor}
 
 
+class ForwardCounter:
+    """Counts a model's forward passes (a forward hook); `with counter:` starts the count again."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_hook(self._count)
+
+    def _count(self, *_):
+        self.count += 1
+
+    def __enter__(self):
+        self.count = 0
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
 class HostReadCounter(torch.overrides.TorchFunctionMode):
     """
     Counts the reads of tensor values into Python made outside `model`'s forward passes, between passes:

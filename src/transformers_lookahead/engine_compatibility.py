@@ -26,8 +26,6 @@ from .verification import read_choices
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .continuous_batching import LookaheadBatching
-
 # Transformers' per-request warpers (`per_request_processors=True`, as `transformers serve --continuous-batching`
 # sets), and the request setting each reads.
 PER_REQUEST_WARPERS = {
@@ -231,11 +229,12 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
     built: scheduling, paging, offloading, prefix sharing and cancellation stay the stock code.
     """
 
-    lookahead: LookaheadBatching
+    # `continuous_batching.LookaheadBatching`, which imports this module.
+    lookahead: Any
 
     @classmethod
     def adopt(
-        cls, processor: ContinuousBatchProcessor, model: PreTrainedModel, lookahead: LookaheadBatching
+        cls, processor: ContinuousBatchProcessor, model: PreTrainedModel, lookahead: Any
     ) -> LookaheadBatchProcessor:
         processor = taken_over(processor, cls)
         processor.lookahead = lookahead
