@@ -42,19 +42,19 @@ test-oldest: install
 	fi
 
 quality: install
-	$(VENV)/bin/ruff check src tests utils experiments
-	$(VENV)/bin/ruff format --check src tests utils experiments
+	$(VENV)/bin/ruff check src tests utils
+	$(VENV)/bin/ruff format --check src tests utils
 
 style: install
-	$(VENV)/bin/ruff check --fix src tests utils experiments
-	$(VENV)/bin/ruff format src tests utils experiments
+	$(VENV)/bin/ruff check --fix src tests utils
+	$(VENV)/bin/ruff format src tests utils
 
-# About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, table and plot in bench_out/; in
+# About 10 minutes on 2 cores: greedy / prompt lookup / "auto" on 5 + 5 prompts, its result in bench_out/; in
 # bfloat16 where this machine computes it natively (else float32, and it says so), with float32 greedy beside it.
 bench: install
 	$(PY) -m utils.bench generate $(BENCH_ARGS)
 
-# Both models in both dtypes: 16 + 16 prompts, every method, 3 repeats, window sweep; one folder per run under
+# Both models in both dtypes: 16 + 16 prompts, every method, 3 repeats; one folder per run under
 # bench_out/ (about an hour per run on 2 cores for SmolLM2, three for Qwen2.5-Coder-0.5B).
 BENCH_MODELS ?= smollm2 qwen-coder
 BENCH_DTYPES ?= bfloat16 float32

@@ -39,7 +39,7 @@ setup(
         ],
         "serving": ["transformers[serving]"],
         "quality": ["ruff==0.17.6"],
-        "benchmark": ["gguf", "accelerate", "tqdm", "matplotlib"],
+        "benchmark": ["gguf", "accelerate", "tqdm"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

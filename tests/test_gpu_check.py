@@ -31,7 +31,6 @@ def _fake_benchmark(argv: list[str]) -> None:
         summary = [{"method": "batched_greedy", "departed": 2, "prompts": 8}]
         summary.append({"method": "lookahead_auto", "departed": departed, "prompts": 8})
         (folder / "departures-bfloat16.json").write_text(json.dumps({"summary": summary}))
-        (folder / "departures-bfloat16.txt").write_text("table\n")
         return
     row = {"prompts": 4, "tokens_per_s": 30.0, "tokens_per_forward": 2.0, "host_ms_per_forward": 3.0, "identical": 2}
     summary = [

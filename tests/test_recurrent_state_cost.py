@@ -1,6 +1,7 @@
 import unittest
 
-from utils.recurrent_state_cost import format_table, measure
+from utils.recurrent_state_cost import measure
+from utils.render_results import result_table
 
 from .model_zoo import Architecture, build
 
@@ -14,6 +15,6 @@ class RecurrentStateCostTest(unittest.TestCase):
         self.assertGreater(row["state_mib_per_sequence"], 0)
         for name in ("save_ms", "restore_ms", "one_token_pass_ms", "chain_pass_ms"):
             self.assertGreater(row[name], 0, name)
-        table = format_table(row, "float32")
+        table = "\n".join(result_table("state.json", {"recurrent_state": row}))
         self.assertIn("4-token chain pass", table)
         self.assertIn(f"{row['state_mib_per_sequence']} MiB", table)

@@ -165,7 +165,7 @@ class ReadmeNamesWhatExistsTest(unittest.TestCase):
     @parameterized.expand([("README", README), ("guide", GUIDE)])
     def test_named_files_exist(self, _, document):
         text = document.read_text()
-        paths = set(re.findall(r"`((?:utils|tests|docs|src|experiments)/[\w./-]+\.(?:py|md|json|wav))`", text))
+        paths = set(re.findall(r"`((?:utils|tests|docs|src)/[\w./-]+\.(?:py|md|json|wav))`", text))
         paths |= {f"utils/{name}" for name in re.findall(r"python utils/([\w]+\.py)", text)}
         self.assertTrue(paths)
         for path in paths:

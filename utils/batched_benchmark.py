@@ -6,7 +6,6 @@ size, on the same prompts cut into left-padded batches.
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -107,38 +106,3 @@ def summarize_batched(result: dict) -> list[dict]:
             }
         )
     return rows
-
-
-def format_batched_table(rows: list[dict]) -> str:
-    header = (
-        f"{'batch':>5} {'greedy tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} {'host (greedy/lookahead)':>24} "
-        f"{'identical':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row['batch_size']:>5} {row['greedy_tokens_per_s']:>12.1f} {row['lookahead_tokens_per_s']:>15.1f} "
-            f"{row['speedup']:>7.2f}x {row['greedy_host_share']:>14.1%} / {row['lookahead_host_share']:>6.1%} "
-            f"{row['identical']:>4}/{row['runs']}"
-        )
-    return "\n".join(lines)
-
-
-def plot_batched(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    sizes = [row["batch_size"] for row in rows]
-    axis.plot(sizes, [row["greedy_tokens_per_s"] for row in rows], marker="o", label="batched greedy")
-    axis.plot(sizes, [row["lookahead_tokens_per_s"] for row in rows], marker="o", label="batched lookahead (auto)")
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(sizes, [str(size) for size in sizes])
-    axis.set_xlabel("batch size")
-    axis.set_ylabel("generated tokens / s")
-    axis.set_title("Batched throughput")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)

@@ -1,6 +1,6 @@
 """
 The project's tools behind one command: `python -m utils.bench <name> [arguments]`. `python -m utils.bench -h` lists
-the names: every benchmark of `utils/benchmark.py` (`generate`, `priced`, `ceiling`, ...), each with its own
+the names: every benchmark of `utils/benchmark.py` (`generate`, `priced`, `memory`, ...), each with its own
 arguments, and the other tools (`gpu-check`, `serve`, `hub-repo`, ...). `python -m utils.bench <name> -h` shows a
 name's arguments. The `make` targets call it; every tool takes its methods from one registry (`utils/methods.py`).
 """

@@ -15,13 +15,12 @@ and HumanEval prompts, interleaved per prompt, so machine noise hits them alike.
     python -m utils.bench departures --dtype bfloat16   # where outputs depart from plain greedy (half precision)
     python -m utils.bench quality --model qwen-coder --dtype bfloat16 --num-prompts 16  # HumanEval pass@1
     python -m utils.bench priced flat gpu_check.json --pass-ms 5   # the steps priced by other devices' tables
-    python -m utils.bench ceiling            # what "auto" steps were offered, verified and accepted
     python -m utils.bench continuous-batching --num-prompts 8 --repeats 2   # 1 / 4 / 8 / 16 concurrent requests
     python -m utils.bench continuous-batching --arrival-rate 0.5 1 2         # open loop: Poisson arrivals
     python -m utils.bench continuous-batching --padded-engines --concurrency 1 4  # and padded engines (graphs)
 
 `--dtype auto` (the default) runs bfloat16 where the device computes it natively (CUDA with bf16, a CPU with
-AVX512-BF16 or AMX) and float32 elsewhere, saying which (float32 for `priced` and `ceiling`); a half-precision
+AVX512-BF16 or AMX) and float32 elsewhere, saying which (float32 for `priced`); a half-precision
 `generate` run adds plain greedy in float32 as a reference row (`greedy_fp32`).
 """
 
@@ -47,38 +46,27 @@ import torch  # noqa: E402
 
 from transformers_lookahead.cost_measurement import measure_step_costs  # noqa: E402
 from utils.batched_benchmark import (  # noqa: E402
-    format_batched_table,
-    plot_batched,
     run_batched_benchmark,
     summarize_batched,
 )
 from utils.cb_benchmark import (  # noqa: E402
-    format_continuous_batching_table,
-    plot_continuous_batching,
     run_continuous_batching,
     summarize_continuous_batching,
 )
-from utils.faithfulness import format_departures_table, run_departures, summarize_departures  # noqa: E402
+from utils.faithfulness import run_departures, summarize_departures  # noqa: E402
 from utils.memory_benchmark import (  # noqa: E402
-    format_memory_table,
     own_memory,
-    plot_memory,
     run_memory_benchmark,
     summarize_memory,
 )
 from utils.methods import METHODS as REGISTERED_METHODS  # noqa: E402
-from utils.plotting import grouped_bars  # noqa: E402
 from utils.priced_steps import (  # noqa: E402  # noqa: E402
-    CEILING_SETTING_NAMES,
-    format_ceiling_table,
-    format_priced_table,
-    run_ceiling,
     run_priced,
-    summarize_ceiling,
     summarize_priced,
 )
-from utils.quality import TUNING_PROBLEMS, format_quality_table, run_quality, summarize_quality  # noqa: E402
-from utils.sampling_benchmark import format_sampling_table, run_sampling_benchmark, summarize_sampling  # noqa: E402
+from utils.quality import TUNING_PROBLEMS, run_quality, summarize_quality  # noqa: E402
+from utils.render_results import result_table  # noqa: E402
+from utils.sampling_benchmark import run_sampling_benchmark, summarize_sampling  # noqa: E402
 from utils.timing import ForwardTimer, Run, native_half_precision  # noqa: E402
 from utils.workload import SPEECH, Workload, environment, write_report  # noqa: E402
 
@@ -88,18 +76,15 @@ METHODS = {**REGISTERED_METHODS, REFERENCE: {}}
 # The methods of the README's table; the quick run (the default) keeps the three a first look needs.
 FULL_METHODS = ["greedy", "prompt_lookup", "lookahead_15_5_15", "lookahead_7_5_7", "lookahead_auto"]
 QUICK_METHODS = ["greedy", "prompt_lookup", "lookahead_auto"]
-QUICK = {"num_prompts": 5, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
-FULL = {"num_prompts": 16, "repeats": 3, "methods": FULL_METHODS, "sweep_prompts": 4}
-MEMORY = {"num_prompts": 8, "repeats": 2, "methods": QUICK_METHODS, "sweep_prompts": 0}
-
-
-SWEEP_WINDOWS = (1, 2, 4, 7, 10, 15)
+QUICK = {"num_prompts": 5, "repeats": 2, "methods": QUICK_METHODS}
+FULL = {"num_prompts": 16, "repeats": 3, "methods": FULL_METHODS}
+MEMORY = {"num_prompts": 8, "repeats": 2, "methods": QUICK_METHODS}
 
 
 def run_benchmark(args, workload: Workload, methods: dict | None = None) -> dict:
     """
     Every method of `args.methods` (looked up in `methods`, by default `METHODS`) on every prompt of `workload`,
-    interleaved per prompt, `args.repeats` times; the window sweep on the first `args.sweep_prompts` prompts.
+    interleaved per prompt, `args.repeats` times.
     """
     from tqdm.auto import tqdm
 
@@ -150,13 +135,9 @@ def run_benchmark(args, workload: Workload, methods: dict | None = None) -> dict
                 )
                 progress.update()
     progress.close()
-    sweep = (
-        _window_sweep(model, prompts[: args.sweep_prompts], args) if args.sweep_prompts and not args.whisper else []
-    )
     return {
         "environment": environment(args, device),
         "runs": [run.record() for run in runs],
-        "window_sweep": sweep,
         "warmup_seconds": warmup_seconds,
     }
 
@@ -168,25 +149,6 @@ def _decoded_tokens(out: torch.LongTensor, prompt_length: int, args) -> int:
     # Whisper's `generate` returns what follows the start token (`<|notimestamps|>` first) without the final EOS,
     # which a transcript ending before the limit has decoded.
     return out.shape[1] + int(out.shape[1] < args.max_new_tokens)
-
-
-def _window_sweep(model, prompts, args) -> list[dict]:
-    """Compression (tokens per forward, deterministic) against the window size, N=5 and G=W."""
-    rows = []
-    for window in SWEEP_WINDOWS:
-        tokens = passes = 0
-        for _, _, ids, _ in prompts:
-            out = model.generate(
-                ids,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                lookahead_window=window,
-                return_dict_in_generate=True,
-            )
-            tokens += out.sequences.shape[1] - ids.shape[1]
-            passes += out.num_forward_passes
-        rows.append({"window": window, "compression": tokens / passes})
-    return rows
 
 
 def summarize(result: dict) -> list[dict]:
@@ -244,61 +206,6 @@ def summarize(result: dict) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    with_reference = any(row.get("speedup_vs_fp32") is not None for row in rows)
-    header = (
-        f"{'category':<16} {'method':<30} {'n':>3} {'tok/s':>7} {'speedup':>8} "
-        + (f"{'vs fp32':>8} " if with_reference else "")
-        + f"{'min':>6} {'tok/fwd':>8} {'acc/step':>8} {'host':>6} {'host ms':>7} {'identical':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in sorted(rows, key=lambda r: (r["category"], list(METHODS).index(r["method"]))):
-        reference = f"{row['speedup_vs_fp32']:>7.2f}x " if with_reference else ""
-        lines.append(
-            f"{row['category']:<16} {row['method']:<30} {row['prompts']:>3} {row['tokens_per_s']:>7.1f} "
-            f"{row['speedup']:>7.2f}x {reference}{row['min_prompt_speedup']:>5.2f}x {row['tokens_per_forward']:>8.2f} "
-            f"{row['accepted_per_step']:>8.2f} {row['host_share']:>6.1%} {row['host_ms_per_forward']:>7.2f} "
-            f"{row['identical']:>4}/{row['prompts']}"
-        )
-    if with_reference:
-        lines.append(
-            f"speedup: tokens/s over the method's own output / greedy's in the run's dtype; vs fp32: / {REFERENCE}'s; "
-            "identical: same tokens as greedy in the run's dtype"
-        )
-    return "\n".join(lines)
-
-
-def plot(result: dict, rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sweep = result.get("window_sweep") or []
-    if sweep:
-        figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
-    else:
-        figure, left = plt.subplots(1, 1, figsize=(10, 5))
-    categories = sorted({r["category"] for r in rows})
-    methods = [m for m in METHODS if m != "greedy" and any(r["method"] == m for r in rows)]
-    series = {
-        method: [
-            next((r["speedup"] for r in rows if r["method"] == method and r["category"] == c), 0) for c in categories
-        ]
-        for method in methods
-    }
-    grouped_bars(left, categories, series, rotation=30)
-    left.set_ylabel("speedup vs greedy (x)")
-    left.set_title("Speedup per category")
-    if sweep:
-        right.plot([s["window"] for s in sweep], [s["compression"] for s in sweep], marker="o")
-        right.set_xlabel("lookahead_window (N=5, G=W)")
-        right.set_ylabel("tokens per forward pass")
-        right.set_title("Compression vs window")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 # One function per benchmark: each runs on the workload and writes its report into the output folder.
 
 
@@ -307,19 +214,15 @@ def side_by_side(args, workload: Workload, out: Path) -> None:
     result = run_benchmark(args, workload)
     rows = summarize(result)
     result["summary"] = rows
-    name = "whisper" if args.whisper else "benchmark"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    table = format_table(rows)
+    name = "whisper.json" if args.whisper else "benchmark.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    print("\n".join(result_table(name, result)))
     warmup = ", ".join(f"{method} {seconds:.1f}" for method, seconds in result["warmup_seconds"].items())
-    table += f"\nfirst call of each method (seconds, compilation included): {warmup}"
-    (out / f"{name}.txt").write_text(table + "\n")
-    plot(result, rows, out / f"{name}.png")
-    print(table)
-    print(f"\nwritten: {out / name}.json, .txt, .png")
+    print(f"first call of each method (seconds, compilation included): {warmup}\nwritten: {out / name}")
 
 
 def cost_curve(args, workload: Workload, out: Path) -> None:
-    """`cost-curve`: forward time against step length (1..256) on the device, written as JSON and PNG."""
+    """`cost-curve`: forward time against step length (1..256) on the device, written as JSON."""
     model, _, device = workload.load()
     grid = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     relative = measure_step_costs(model, grid)
@@ -328,19 +231,6 @@ def cost_curve(args, workload: Workload, out: Path) -> None:
     )
     for length, cost in relative.items():
         print(f"T={length:>4}: {cost:6.2f}x a one-token forward")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    axis.plot(list(relative), list(relative.values()), marker="o")
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("tokens in the forward pass")
-    axis.set_ylabel("time / one-token forward")
-    axis.set_title(f"Forward cost on {device.type} ({torch.get_num_threads()} threads)")
-    figure.tight_layout()
-    figure.savefig(out / "cost_curve.png", dpi=110)
 
 
 def sampling(args, workload: Workload, out: Path) -> None:
@@ -348,40 +238,35 @@ def sampling(args, workload: Workload, out: Path) -> None:
     model, tokenizer, device = workload.load()
     result = run_sampling_benchmark(args, model, workload.prompts(tokenizer, device))
 
-    def table(rows, result):
-        return format_sampling_table(rows, result["distribution_checks"])
-
-    write_report(out / "sampling", result, args, device, summarize_sampling, table)
+    write_report(out / "sampling", result, args, device, summarize_sampling)
 
 
 def batched(args, workload: Workload, out: Path) -> None:
     """`batched`: batched greedy against batched lookahead at each batch size (`utils/batched_benchmark.py`)."""
     model, tokenizer, device = workload.load()
     result = run_batched_benchmark(args, model, tokenizer, workload.prompts(tokenizer, device))
-    write_report(out / "batched", result, args, device, summarize_batched, lambda rows, _: format_batched_table(rows))
-    plot_batched(result["summary"], out / "batched.png")
+    write_report(out / "batched", result, args, device, summarize_batched)
 
 
 def memory(args, workload: Workload, out: Path) -> None:
     """`memory`: the suffix memory across calls, on four workloads (`utils/memory_benchmark.py`)."""
     model, tokenizer, device = workload.load()
     result = run_memory_benchmark(args, model, tokenizer, device, ForwardTimer(model))
-    write_report(out / "memory", result, args, device, summarize_memory, format_memory_table)
-    plot_memory(result["summary"], out / "memory.png")
+    write_report(out / "memory", result, args, device, summarize_memory)
 
 
 def departures(args, workload: Workload, out: Path) -> None:
     """`departures`: where each method's greedy output departs from plain greedy (`utils/faithfulness.py`)."""
     model, tokenizer, device = workload.load()
     result = run_departures(args, model, tokenizer, workload.prompts(tokenizer, device))
-    write_report(out / f"departures-{args.dtype}", result, args, device, summarize_departures, format_departures_table)
+    write_report(out / f"departures-{args.dtype}", result, args, device, summarize_departures)
 
 
 def quality(args, workload: Workload, out: Path) -> None:
     """`quality`: HumanEval pass@1 of each decoding method (`utils/quality.py`)."""
     model, tokenizer, device = workload.load()
     result = run_quality(args, model, tokenizer)
-    write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality, format_quality_table)
+    write_report(out / f"quality-{args.dtype}", result, args, device, summarize_quality)
 
 
 def priced(args, workload: Workload, out: Path) -> None:
@@ -389,14 +274,7 @@ def priced(args, workload: Workload, out: Path) -> None:
     model, tokenizer, device = workload.load()
     result = run_priced(args, model, workload.prompts(tokenizer, device))
     rows = functools.partial(summarize_priced, pass_ms=args.pass_ms)
-    write_report(out / "priced", result, args, device, rows, format_priced_table)
-
-
-def ceiling(args, workload: Workload, out: Path) -> None:
-    """`ceiling`: what "auto" steps were offered, verified and accepted (`utils/priced_steps.py`)."""
-    model, tokenizer, device = workload.load()
-    result = run_ceiling(args, model, tokenizer, workload.prompts(tokenizer, device))
-    write_report(out / "ceiling", result, args, device, summarize_ceiling, format_ceiling_table)
+    write_report(out / "priced", result, args, device, rows)
 
 
 def continuous_batching(args, workload: Workload, out: Path) -> None:
@@ -404,8 +282,7 @@ def continuous_batching(args, workload: Workload, out: Path) -> None:
     model, tokenizer, device = workload.load(attn_implementation="sdpa")
     result = run_continuous_batching(args, model, tokenizer, workload.prompts(tokenizer, device))
     stem = out / f"continuous_batching-{args.dtype}"
-    write_report(stem, result, args, device, summarize_continuous_batching, format_continuous_batching_table)
-    plot_continuous_batching(result["summary"], stem.with_suffix(".png"))
+    write_report(stem, result, args, device, summarize_continuous_batching)
 
 
 def workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -443,7 +320,7 @@ def generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full",
         action="store_true",
-        help="the full run (16 + 16 prompts, every method, 3 repeats, window sweep: about an hour on 2 cores) "
+        help="the full run (16 + 16 prompts, every method, 3 repeats: about an hour on 2 cores) "
         "instead of the quick one (5 + 5 prompts, greedy / prompt lookup / auto, 2 repeats: about 10 minutes)",
     )
     parser.add_argument(
@@ -451,9 +328,6 @@ def generate_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=f"add plain greedy in float32 ({REFERENCE}) to a half-precision run (default: on)",
-    )
-    parser.add_argument(
-        "--sweep-prompts", type=int, default=None, help="prompts for the compression-vs-window sweep (quick 0, full 4)"
     )
     parser.add_argument(
         "--context-tokens",
@@ -506,17 +380,6 @@ def priced_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive(float),
         default=None,
         help="a one-token pass's milliseconds on the priced device, to add this machine's host time",
-    )
-
-
-def ceiling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--ceiling-settings",
-        nargs="+",
-        choices=list(CEILING_SETTING_NAMES),
-        default=None,
-        help="the settings to run (default: all); bf16 prices steps by the model's bf16 curve, the flat ones verify "
-        "everything offered",
     )
 
 
@@ -589,15 +452,12 @@ BENCHMARKS = {
     "priced": Benchmark(
         priced, "the methods' steps (float32) priced by given cost tables", priced_arguments, auto_dtype="float32"
     ),
-    "ceiling": Benchmark(
-        ceiling, 'what "auto" steps were offered, verified and accepted (float32)', ceiling_arguments, "float32"
-    ),
     "continuous-batching": Benchmark(
         continuous_batching, "plain and lookahead continuous batching under load", continuous_batching_arguments
     ),
 }
 # What the shared code reads of the arguments a benchmark does not take.
-DEFAULTS = {"full": False, "methods": None, "reference_fp32": False, "sweep_prompts": None, "context_tokens": None}
+DEFAULTS = {"full": False, "methods": None, "reference_fp32": False, "context_tokens": None}
 
 
 def add_benchmarks(subcommands: argparse._SubParsersAction) -> None:

@@ -36,7 +36,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 
 import torch
 from transformers import CompileConfig, GenerationConfig
@@ -430,72 +429,3 @@ def summarize_continuous_batching(result: dict) -> list[dict]:
                 }
             )
     return rows
-
-
-def format_continuous_batching_table(rows: list[dict], result: dict | None = None) -> str:
-    """
-    The closed loop's table (per number of clients), or the open loop's (per arrival rate, latency first; without the
-    time per engine pass, which in an open loop includes the engine's idle time between arrivals).
-    """
-    open_loop = any(row.get("arrival_rate") is not None for row in rows)
-    if open_loop:
-        header = (
-            f"{'req/s':>5} {'engine':<24} {'latency p50/p95 (s)':>20} {'p50 vs plain CB':>15} "
-            f"{'first token p50/p95 (s)':>24} {'tok/s':>7} {'tok/forward':>11} {'fwd ms':>6} {'same as plain CB':>16}"
-        )
-    else:
-        header = (
-            f"{'clients':>7} {'engine':<24} {'tok/s':>7} {'vs plain CB':>11} {'full load tok/s':>15} "
-            f"{'vs plain CB':>11} {'tok/forward':>11} {'pass / fwd ms':>14} {'latency p50/p95 (s)':>20} "
-            f"{'first token p50/p95 (s)':>24} {'same as plain CB':>16}"
-        )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        latency = f"{row['latency_p50']:>9.2f} / {row['latency_p95']:<8.2f}"
-        first = f"{row['first_token_p50']:>11.2f} / {row['first_token_p95']:<10.2f}"
-        passes = f"{row['pass_ms']:>6.1f} / {row['forward_ms']:<5.1f}"
-        same = f"{row['identical']:>8}/{row['answers']}"
-        if open_loop:
-            shorter = row["latency_p50_speedup_vs_plain_cb"]
-            lines.append(
-                f"{row['arrival_rate']:>5.2f} {row['engine']:<24} {latency} {shorter:>14.2f}x {first} "
-                f"{row['tokens_per_s']:>7.1f} {row['tokens_per_forward']:>11.2f} {row['forward_ms']:>6.1f} {same}"
-            )
-        else:
-            lines.append(
-                f"{row['concurrency']:>7} {row['engine']:<24} {row['tokens_per_s']:>7.1f} "
-                f"{row['speedup_vs_plain_cb']:>10.2f}x {row['full_load_tokens_per_s']:>15.1f} "
-                f"{row['full_load_speedup_vs_plain_cb']:>10.2f}x {row['tokens_per_forward']:>11.2f} "
-                f"{passes} {latency} {first} {same}"
-            )
-    return "\n".join(lines)
-
-
-def plot_continuous_batching(rows: list[dict], path: Path) -> None:
-    """Tokens per second per number of clients (closed loop), or median latency per arrival rate (open loop)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    open_loop = any(row.get("arrival_rate") is not None for row in rows)
-    level, value = ("arrival_rate", "latency_p50") if open_loop else ("concurrency", "tokens_per_s")
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for engine in _engines({"runs": rows}):
-        mine = [row for row in rows if row["engine"] == engine]
-        axis.plot([row[level] for row in mine], [row[value] for row in mine], marker="o", label=engine)
-    levels = sorted({row[level] for row in rows})
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(levels, [f"{level:g}" for level in levels])
-    if open_loop:
-        axis.set_yscale("log")
-        axis.set_xlabel("requests arriving per second (Poisson)")
-        axis.set_ylabel("median latency (s)")
-        axis.set_title("Continuous batching latency, open loop")
-    else:
-        axis.set_xlabel("concurrent requests")
-        axis.set_ylabel("generated tokens / s")
-        axis.set_title("Continuous batching throughput")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)

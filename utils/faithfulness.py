@@ -11,7 +11,6 @@ several rows) reduces in another order than a one-token pass, so near-ties can b
 from __future__ import annotations
 
 import math
-import re
 import statistics
 
 import torch
@@ -220,9 +219,6 @@ def run_departures(args, model, tokenizer, prompts, methods: dict | None = None)
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "cache": cache,
-        "divergence": None
-        if model.config.is_encoder_decoder
-        else divergence_sources(model, [ids for _, _, ids, _ in prompts[:DIVERGENCE_PROMPTS]], cache=cache),
     }
 
 
@@ -260,81 +256,6 @@ def _off_greedy_count(
     texts = torch.tensor([generated], device=ids.device)
     margins, scales = greedy_margins(model, {"input_ids": ids}, texts, **cache_arguments)
     return len(off_greedy_positions(margins, scales, model.dtype))
-
-
-# Prompts whose rows `run_departures` traces to the module that first computes them otherwise (`divergence_sources`).
-DIVERGENCE_PROMPTS = 4
-
-
-def divergence_sources(model, prompts: list[torch.LongTensor], block: int = 6, cache: str = "dynamic") -> dict:
-    """
-    Where in the model a pass over several tokens first computes a row otherwise than a one-token pass does: each
-    prompt's last `block` tokens are fed once as one pass and once one token per pass, after the same prefix and
-    cache, and for every row the first module (in the order modules finish) whose output differs is found. A module
-    whose input was still equal computed the difference itself (a reduction of its own, e.g. a matrix product that
-    sums in another order for several rows); one whose input differed already got it from the code that runs between
-    modules (`"before o_proj"`: the attention kernel). Layers are counted together (`model.layers.*.mlp.down_proj`).
-
-    Args:
-        model (`PreTrainedModel`): a decoder-only model.
-        prompts (`list[torch.LongTensor]`): `(1, length)` token ids; those not longer than `block` are left out.
-        block (`int`, *optional*): tokens fed at once, as a lookahead step feeds them.
-        cache (`str`, *optional*): `"dynamic"` or `"static"`.
-
-    Returns:
-        `dict` with `rows` (rows compared), `rows_differing` (rows whose logits differ in any bit) and `sources`
-        (source -> rows it was the first difference of).
-    """
-    from transformers import DynamicCache, StaticCache
-
-    calls: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
-
-    def record(name):
-        def hook(module, args, output):
-            output = output[0] if isinstance(output, tuple) else output
-            if isinstance(output, torch.Tensor) and output.dim() >= 2:
-                first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                calls.append((name, None if first is None else first.detach().clone(), output.detach().clone()))
-
-        return hook
-
-    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
-    sources: dict[str, int] = {}
-    rows = rows_differing = 0
-    try:
-        for ids in (ids for ids in prompts if ids.shape[1] > block):
-            prefix, tail = ids[:, :-block], ids[:, -block:]
-            passes = []
-            for widths in ((block,), (1,) * block):
-                if cache == "static":
-                    past = StaticCache(config=model.config, max_cache_len=ids.shape[1])
-                else:
-                    past = DynamicCache(config=model.config)
-                with torch.no_grad():
-                    model(prefix, past_key_values=past, use_cache=True)
-                    calls.clear()
-                    start = 0
-                    for width in widths:
-                        model(tail[:, start : start + width], past_key_values=past, use_cache=True)
-                        start += width
-                passes.append(list(calls))
-            many, single = passes[0], passes[1]
-            per_pass = len(many)
-            for row in range(block):
-                rows += 1
-                one = single[row * per_pass : (row + 1) * per_pass]
-                rows_differing += not torch.equal(many[-1][2][:, row], one[-1][2][:, 0])
-                for (name, inputs, output), (_, one_inputs, one_output) in zip(many, one):
-                    if not torch.equal(output[:, row], one_output[:, 0]):
-                        same_input = inputs is not None and torch.equal(inputs[:, row], one_inputs[:, 0])
-                        source = re.sub(r"\.\d+\.", ".*.", name)
-                        source = source if same_input else f"before {source}"
-                        sources[source] = sources.get(source, 0) + 1
-                        break
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {"block": block, "rows": rows, "rows_differing": rows_differing, "sources": dict(sorted(sources.items()))}
 
 
 # The one-sided significance below which `paired_departure_test` finds that a method departs more often than the
@@ -402,33 +323,6 @@ def summarize_departures(result: dict) -> list[dict]:
         if method != DEPARTURE_BASELINE and DEPARTURE_BASELINE in result.get("methods", DEPARTURE_METHODS):
             rows[-1]["versus_batched"] = paired_departure_test(result, method)
     return rows
-
-
-def format_departures_table(rows: list[dict], result: dict) -> str:
-    lines = [
-        f"Departures from plain greedy ({result['dtype']}, {result['max_new_tokens']} new tokens, "
-        f"{result.get('cache', 'dynamic')} cache; batched_greedy is the prompt in a left-padded batch of two)",
-        "",
-        "| method | prompts departed | median first departure | earliest | plain's top-2 margin there | first of "
-        "its step | tokens no near-tie of plain greedy | tok/forward | departed alone / batched alone (p) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['method']} | {row['departed']} / {row['prompts']} | {row['median_first_departure']} | "
-            f"{row['earliest_departure']} | {row['median_margin_at_departure']} | {row['first_of_step']} | "
-            f"{row['off_greedy_tokens']} | {row['tokens_per_forward'] or '-'} | {format_paired_test(row)} |"
-        )
-    if rows:
-        lines.append("")
-        lines.append(
-            f"Plain greedy's median top-2 logit margin over every position: {rows[0]['median_margin_everywhere']}. "
-            "A token is a near-tie when plain greedy, decoding the method's text one token per pass, ranks it within "
-            f"{NEAR_TIE_UNITS:g} units of the dtype's precision (times the largest logit) of its best. p: the one-sided "
-            "paired test that the method departs more often than the batched baseline (`paired_departure_test`); "
-            f"below {DEPARTURE_SIGNIFICANCE:g} it does."
-        )
-    return "\n".join(lines)
 
 
 def format_paired_test(row: dict) -> str:

@@ -472,7 +472,6 @@ def check_real_model(report: Report, device: torch.device, args: argparse.Namesp
             written = Path(folder, "departures-bfloat16.json").rename(
                 Path(folder, f"departures-bfloat16-{cache}.json")
             )
-            Path(folder, "departures-bfloat16.txt").rename(Path(folder, f"departures-bfloat16-{cache}.txt"))
             summary = json.loads(written.read_text())["summary"]
             report.add(
                 f"bf16 SmolLM2 departures from plain greedy, 64 tokens, {cache} cache",

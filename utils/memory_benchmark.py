@@ -27,7 +27,6 @@ from transformers_lookahead import LookaheadState
 from transformers_lookahead.suffix_memory import SuffixMemory, vocabulary_key
 from utils.assets import chat_input_ids, humaneval_problems, mtbench_questions, tuning_prompts
 from utils.methods import METHODS, methods
-from utils.plotting import grouped_bars
 from utils.timing import Run
 
 MEMORY_METHODS = {
@@ -232,45 +231,3 @@ def _sum_of_medians(records: list[dict]) -> float:
     """Each prompt's median time over the repeats, summed over prompts."""
     prompt_ids = {r["prompt_id"] for r in records}
     return sum(statistics.median(r["seconds"] for r in records if r["prompt_id"] == p) for p in prompt_ids)
-
-
-def format_memory_table(rows: list[dict], result: dict) -> str:
-    header = (
-        f"{'workload':<20} {'method':<16} {'n':>3} {'tok/s':>7} {'vs greedy':>9} {'vs PLD':>7} {'tok/fwd':>8} "
-        f"{'host':>6} {'identical':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        versus = f"{row['vs_prompt_lookup']:>6.2f}x" if row["vs_prompt_lookup"] is not None else f"{'':>7}"
-        lines.append(
-            f"{row['workload']:<20} {row['method']:<16} {row['generations']:>3} {row['tokens_per_s']:>7.1f} "
-            f"{row['speedup']:>8.2f}x {versus} {row['tokens_per_forward']:>8.2f} {row['host_share']:>6.1%} "
-            f"{row['identical']:>9}"
-        )
-    sizes = ", ".join(
-        f"repeat {m['repeat']}: {m['tokens']} tokens in {m['documents']} calls" for m in result["memory"]
-    )
-    lines.append(f"memory at the end of each repeat: {sizes}; measured size {result['memory_bytes'] / 2**20:.1f} MiB")
-    lines.append("vs greedy: plain sampling for sampled_repeat (tokens/s ratio)")
-    return "\n".join(lines)
-
-
-def plot_memory(rows: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(10, 5))
-    series = {
-        method: [
-            next((r["speedup"] for r in rows if r["workload"] == w and r["method"] == method), 0) for w in WORKLOADS
-        ]
-        for method in MEMORY_METHODS
-        if method != "greedy"
-    }
-    grouped_bars(axis, list(WORKLOADS), series)
-    axis.set_ylabel("speedup vs greedy / plain sampling (x)")
-    axis.set_title("Suffix memory across calls (SmolLM2-135M)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from utils.assets import chat_input_ids, humaneval_problems
 from utils.methods import methods
+from utils.render_results import result_table
 from utils.tiny_models import left_padded
 
 # What is compared; "batched_greedy" decodes the problem in a left-padded batch of two (with the next problem).
@@ -132,35 +133,18 @@ def summarize_quality(result: dict) -> list[dict]:
     ]
 
 
-def format_quality_table(rows: list[dict], result: dict) -> str:
-    lines = [
-        f"HumanEval pass@1 ({result['dtype']}, up to {result['max_new_tokens']} new tokens, greedy decoding)",
-        "",
-        "| method | passed | pass@1 | same text as greedy |",
-        "|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['method']} | {row['passed']} / {row['problems']} | {row['pass_at_1']:.3f} | "
-            f"{row['same_text_as_greedy']} / {row['problems']} |"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description="Merges `quality` runs over different problems into one result.")
-    parser.add_argument("output", type=Path, help="the merged result (.json; its table goes beside it as .txt)")
+    parser.add_argument("output", type=Path, help="the merged result (.json)")
     parser.add_argument("runs", type=Path, nargs="+", help="the runs' .json files, in problem order")
     args = parser.parse_args(argv)
     result = merge_quality([json.loads(path.read_text()) for path in args.runs], [path.name for path in args.runs])
     result["summary"] = summarize_quality(result)
-    table = format_quality_table(result["summary"], result)
     args.output.write_text(json.dumps(result, indent=1))
-    args.output.with_suffix(".txt").write_text(table + "\n")
-    print(table)
+    print("\n".join(result_table(args.output.name, result)))
 
 
 if __name__ == "__main__":

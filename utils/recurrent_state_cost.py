@@ -2,7 +2,7 @@
 What keeping a hybrid model's recurrent states costs a chain step (`CacheCommitter.before_step` and `undo`): the
 bytes copied and the time to copy them and to put them back, against the step's own forward pass, on a random model
 of a real hybrid shape (Qwen3.5-like: gated-delta-rule linear attention in three layers of four, full attention in
-the fourth) built on this machine. Writes `<output-dir>/<stem>.json` and `.txt` (rendered on the results page).
+the fourth) built on this machine. Writes `<output-dir>/<stem>.json` (rendered on the results page).
 
     python utils/recurrent_state_cost.py --dtype float32 --threads 2
 """
@@ -24,6 +24,7 @@ import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from transformers_lookahead.chain_steps import committer_for  # noqa: E402
+from utils.render_results import result_table
 from utils.workload import environment  # noqa: E402
 
 # About 1.8B parameters (tied embeddings): Qwen3.5's layout at a 2B model's width.
@@ -90,21 +91,6 @@ def measure(model: transformers.PreTrainedModel, context: int, chain: int, repea
     }
 
 
-def format_table(row: dict, dtype: str) -> str:
-    kept = row["save_ms"] + row["restore_ms"]
-    lines = [
-        f"Random Qwen3.5-like model, {row['parameters'] / 1e9:.2f}B parameters, {row['recurrent_layers']} of "
-        f"{row['layers']} layers linear attention, {dtype}, after a {row['context']}-token prompt; medians.",
-        "",
-        "| recurrent state per sequence | copy before a step | put back (undo) | one-token pass | "
-        f"{row['chain']}-token chain pass | copy + put back / chain pass |",
-        "|---|---|---|---|---|---|",
-        f"| {row['state_mib_per_sequence']} MiB | {row['save_ms']} ms | {row['restore_ms']} ms | "
-        f"{row['one_token_pass_ms']} ms | {row['chain_pass_ms']} ms | {kept / row['chain_pass_ms']:.1%} |",
-    ]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Without native bf16 on a CPU (`lscpu`: avx512_bf16 or amx_bf16), bf16 is emulated: measure float32 there.
@@ -130,9 +116,7 @@ def main() -> None:
     }
     stem = args.output_dir / (args.stem or f"cpu_recurrent_state_qwen3_5_like_{args.dtype}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    table = format_table(row, args.dtype)
-    stem.with_suffix(".txt").write_text(table + "\n")
-    print(table)
+    print("\n".join(result_table(stem.name, result)))
 
 
 if __name__ == "__main__":

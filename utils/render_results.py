@@ -185,21 +185,17 @@ def _departures_table(result: dict) -> list[str]:
         paired = format_paired_test({"versus_batched": test})
         rows.append([_method(r["method"]), f"{r['departed']}/{r['prompts']}", paired, _f(r.get("tokens_per_forward"))])
     header = ["method", "prompts whose text departed from plain greedy's", "departed alone / batched alone (p)"]
-    lines = _table([*header, "tok/forward"], rows)
-    divergence = result.get("divergence")
-    if divergence:
-        sources = ", ".join(f"`{source}` {count}" for source, count in divergence["sources"].items())
-        lines += [
-            "",
-            f"Rows of a {divergence['block']}-token pass whose logits differ from one-token passes' in any bit: "
-            f"{divergence['rows_differing']}/{divergence['rows']}; where each row first differs: {sources}.",
-        ]
-    return lines
+    return _table([*header, "tok/forward"], rows)
 
 
 def _quality_table(result: dict) -> list[str]:
     rows = [
-        [_method(r["method"]), f"{r['passed']}/{r['problems']}", _f(r["pass_at_1"], 3), str(r["same_text_as_greedy"])]
+        [
+            _method(r["method"]),
+            f"{r['passed']}/{r['problems']}",
+            _f(r["pass_at_1"], 3),
+            f"{r['same_text_as_greedy']}/{r['problems']}",
+        ]
         for r in result["summary"]
     ]
     return _table(["method", "passed", "pass@1", "same text as greedy"], rows)
@@ -210,7 +206,15 @@ def _sampling_table(result: dict) -> list[str]:
         [SPLITS.get(r["dataset"], r["dataset"]), str(r["temperature"]), _x(r["speedup"]), _f(r["tokens_per_forward"])]
         for r in result["summary"]
     ]
-    return _table(["split", "temperature", "vs plain sampling", "tok/forward"], rows)
+    lines = _table(["split", "temperature", "vs plain sampling", "tok/forward"], rows)
+    for check in result.get("distribution_checks", []):
+        lines += [
+            "",
+            f"Distribution check at temperature {check['temperature']}: the first {check['new_tokens']} tokens of "
+            f"{check['runs']} runs per method, lowest per-position p-value {min(check['p_values']):.3f}; "
+            f"{check['runs_with_multi_token_steps']} lookahead runs accepted several tokens in a step.",
+        ]
+    return lines
 
 
 def _batched_table(result: dict) -> list[str]:
@@ -256,27 +260,11 @@ def _memory_table(result: dict) -> list[str]:
             _method(r["method"]),
             _x(r["speedup"]),
             _f(r["tokens_per_forward"]),
-            f"{r['identical']}/{r['generations']}",
+            str(r["identical"]),
         ]
         for r in result["summary"]
     ]
     return _table(["workload", "method", "vs greedy", "tok/forward", "identical"], rows)
-
-
-def _ceiling_table(result: dict) -> list[str]:
-    rows = [
-        [
-            SPLITS.get(r["split"], r["split"]),
-            r["setting"],
-            _f(r["tokens_per_step"]),
-            _f(r["offered_per_step"], 1),
-            _f(r["ceiling_per_step"]["any"]),
-            _x(r["projected_speedup"]),
-        ]
-        for r in result["summary"]
-    ]
-    header = ["split", "setting", "tok/step", "candidate nodes offered", "tok/step verifying all", "priced vs greedy"]
-    return _table(header, rows)
 
 
 def _cost_curve_table(result: dict) -> list[str]:
@@ -302,35 +290,6 @@ def _priced_table(result: dict) -> list[str]:
     ]
     header = ["split", "cost table", "method", "tok/pass", "tokens fed per pass", "predicted vs greedy"]
     header += ["host ms per pass (here)", *(["predicted with host"] if with_host else []), "identical"]
-    return _table(header, rows)
-
-
-def _host_time_table(result: dict) -> list[str]:
-    window = result["host_time"][0]["window"] if result["host_time"] else 0
-    rows = [
-        [
-            _method(r["method"]),
-            f"{r['early_steps']} / {r['late_steps']}",
-            f"{_f(r['early_kept'])} / {_f(r['late_kept'])}",
-            _f(r["early_host_ms"]),
-            _f(r["late_host_ms"]),
-            _x(r["host_ratio"]),
-            f"{r['matched_kept']}: {_f(r['matched_early_host_ms'])} / {_f(r['matched_late_host_ms'])}"
-            if "matched_kept" in r
-            else "-",
-            _x(r.get("matched_ratio")),
-            f"{r['shape_fed']} / {r['shape_kept']}: {_f(r['shape_early_host_ms'])} / {_f(r['shape_late_host_ms'])}"
-            if "shape_kept" in r
-            else "-",
-            _x(r.get("shape_ratio")),
-            f"{_f(r['early_pass_ms'], 1)} / {_f(r['late_pass_ms'], 1)}",
-        ]
-        for r in result["host_time"]
-    ]
-    header = ["method", "steps (first / last)", "tokens kept per step (first / last)"]
-    header += [f"host ms, first {window} tokens", f"host ms, last {window} tokens", "last / first"]
-    header += ["steps keeping as many: kept, host ms first / last", "last / first"]
-    header += ["steps of one shape: fed / kept, host ms first / last", "last / first", "pass ms (first / last)"]
     return _table(header, rows)
 
 
@@ -435,12 +394,6 @@ KINDS = [
         _memory_table,
     ),
     Kind(
-        "Step ceiling",
-        'What `"auto"`\'s steps were offered, verified and accepted (`ceiling`), in fp32, priced by a cost curve.',
-        lambda r: "ceiling_per_step" in _summary_keys(r),
-        _ceiling_table,
-    ),
-    Kind(
         "Cost of a forward pass",
         'The time of a pass over T tokens against a one-token pass (`--cost-curve`), as `"auto"` measures it.',
         lambda r: "relative_cost" in r,
@@ -455,17 +408,6 @@ KINDS = [
         "device's one-token pass time, `--pass-ms`).",
         lambda r: "tables" in r and "summary" in r,
         _priced_table,
-    ),
-    Kind(
-        "Host time per step as the text grows",
-        "`experiments/host_time.py`: the time from a step's forward pass's end to the next pass's start (verifying, "
-        "committing and learning from the step, planning and laying out the next), median over the steps in the "
-        "first and in the last tokens of long texts (end-of-sequence ignored), methods interleaved per prompt; and "
-        "the same between steps that kept as many tokens (a step that keeps more verifies, appends and moves more), "
-        "and between steps of one shape, as many tokens fed and kept (a step that feeds more also plans and verifies "
-        "more), whose host work differs only by what the text's length adds.",
-        lambda r: "host_time" in r,
-        _host_time_table,
     ),
     Kind(
         "Recurrent states kept per chain step",
@@ -496,6 +438,11 @@ def kind_of(name: str, result: dict) -> Kind:
         if kind.matches(result):
             return kind
     raise ValueError(f"{name}: no kind in utils/render_results.py renders this result file; add one")
+
+
+def result_table(name: str, result: dict) -> list[str]:
+    """The markdown table of one result, as the page shows it (the benchmarks print it as they finish)."""
+    return kind_of(name, result).table(result)
 
 
 # Settings that set a run apart from others of its kind, as its heading names them: (pattern in the command, words).

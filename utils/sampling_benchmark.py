@@ -136,24 +136,3 @@ def summarize_sampling(result: dict) -> list[dict]:
             }
         )
     return rows
-
-
-def format_sampling_table(rows: list[dict], checks: list[dict]) -> str:
-    header = (
-        f"{'temp':>5} {'dataset':<10} {'n':>3} {'sample tok/s':>12} {'lookahead tok/s':>15} {'speedup':>8} "
-        f"{'median':>7} {'tok/fwd':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row['temperature']:>5.1f} {row['dataset']:<10} {row['prompts']:>3} {row['sample_tokens_per_s']:>12.1f} "
-            f"{row['lookahead_tokens_per_s']:>15.1f} {row['speedup']:>7.2f}x {row['median_prompt_speedup']:>6.2f}x "
-            f"{row['tokens_per_forward']:>8.2f}"
-        )
-    for check in checks:
-        lines.append(
-            f"distribution check, temperature {check['temperature']}: first {check['new_tokens']} tokens, "
-            f"{check['runs']} runs per method, lowest per-position p-value {min(check['p_values']):.3f}, "
-            f"{check['runs_with_multi_token_steps']} lookahead runs accepted several tokens in a step"
-        )
-    return "\n".join(lines)

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from utils.assets import chat_messages, tuning_prompts  # noqa: E402
+from utils.render_results import result_table
 from utils.serving import ServeProcess, lookahead_folder  # noqa: E402
 from utils.timing import percentile  # noqa: E402
 
@@ -132,45 +133,6 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = [
-        "| dataset | clients | server | tokens/s | speedup | latency p50 / p95 (s) | TTFT p50 / p95 (s) | identical |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['dataset']} | {row['clients']} | {row['server']} | {row['tokens_per_second']:.1f} | "
-            f"{row['speedup']:.2f}x | {row['latency_p50']:.2f} / {row['latency_p95']:.2f} | "
-            f"{row['ttft_p50']:.2f} / {row['ttft_p95']:.2f} | {row['identical']}/{row['runs']} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(DATASETS), figsize=(10, 4), sharey=True)
-    for axis, dataset in zip(axes, DATASETS):
-        for server in ("plain", "lookahead"):
-            points = [
-                (row["clients"], row["tokens_per_second"])
-                for row in rows
-                if row["dataset"] == dataset and row["server"] == server
-            ]
-            axis.plot(*zip(*points), marker="o", label=server)
-        axis.set_title(dataset)
-        axis.set_xlabel("concurrent clients")
-        axis.set_xticks(sorted({row["clients"] for row in rows}))
-    axes[0].set_ylabel("total tokens/s (median)")
-    axes[0].legend()
-    figure.suptitle("transformers serve, SmolLM2-135M-Instruct")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> None:
     import openai
     from tqdm.auto import tqdm
@@ -233,15 +195,12 @@ def main(argv: list[str] | None = None) -> None:
                         run["identical"] = same
         progress.close()
     rows = summarize(runs)
-    table = format_table(rows)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = "python utils/serve_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "serve.json").write_text(json.dumps({"command": command, "runs": runs, "summary": rows}, indent=1))
-    (out / "serve.txt").write_text(table + "\n")
-    plot(rows, out / "serve.png")
-    print(table)
-    print(f"\nwritten: {out}/serve.json, .txt, .png")
+    print("\n".join(result_table("serve.json", {"summary": rows})))
+    print(f"written: {out}/serve.json")
 
 
 if __name__ == "__main__":

@@ -142,17 +142,15 @@ def environment(args, device: torch.device) -> dict:
     }
 
 
-def write_report(stem: Path, result: dict, args, device: torch.device, summarize_rows, format_rows) -> None:
+def write_report(stem: Path, result: dict, args, device: torch.device, summarize_rows) -> None:
     """
-    Adds the environment and the summary to `result`, writes `stem.json` and the table to `stem.txt`, prints it.
+    Adds the environment and the summary (`summarize_rows(result)`) to `result`, writes `stem.json` and prints the
+    table the results page renders for it.
+    """
+    from utils.render_results import result_table
 
-    Args:
-        summarize_rows (`Callable[[dict], list[dict]]`): the summary rows of `result`.
-        format_rows (`Callable[[list[dict], dict], str]`): the table of those rows (given `result` too).
-    """
     result["environment"] = environment(args, device)
     result["summary"] = summarize_rows(result)
-    table = format_rows(result["summary"], result)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".txt").write_text(table + "\n")
-    print(table)
+    print("\n".join(result_table(stem.name, result)))
+    print(f"written: {stem.with_suffix('.json')}")
