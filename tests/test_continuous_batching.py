@@ -22,9 +22,9 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 
 from transformers_lookahead import LookaheadState, enable_lookahead
 from transformers_lookahead.auto_tuning import AUTO_TUNING
-from transformers_lookahead.continuous_batching import LookaheadContinuousBatchingManager, request_processors
+from transformers_lookahead.continuous_batching import LookaheadContinuousBatchingManager
 from transformers_lookahead.cost_model import StepCostModel, padded_step_cost, padded_table
-from transformers_lookahead.engine_compatibility import LookaheadGenerationOutput
+from transformers_lookahead.engine_compatibility import LookaheadGenerationOutput, request_processors
 from utils.distribution_check import homogeneity_p_value
 from utils.transformers_compatibility import set_attention_implementation_unchecked
 

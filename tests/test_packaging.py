@@ -1,6 +1,7 @@
 """What the package ships: the generation strategy, and nothing from the tooling around it."""
 
 import ast
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import transformers
+from transformers.generation.continuous_batching.requests import RequestState
 
 import transformers_lookahead
 
@@ -240,6 +242,33 @@ def private_uses(source: str, theirs: set[str]) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             uses += [f"{alias.name}:{node.lineno}" for alias in node.names if alias.name in foreign]
     return uses
+
+
+class EngineReachTest(unittest.TestCase):
+    # What the continuous-batching engine holds that lookahead reads or writes: its request states' fields, the
+    # batch it prepares, and its processor's, runner's and manager's parts (names other classes also use, such as
+    # `request_id` or `input_ids`, left out).
+    ENGINE_ATTRIBUTES = {
+        *(field.name for field in dataclasses.fields(RequestState)),
+        *("requests_in_batch", "cumulative_seqlens_q", "cumulative_seqlens_k", "num_q_tokens", "model_dtype"),
+        *("model_runner", "logit_processor", "cb_config", "scheduler", "active_requests", "cache_allocators"),
+        *("pad_inputs", "block_table", "has_new_token", "status", "generated_len", "update_and_check_completion"),
+    } - {"request_id", "eos_token_id", "max_new_tokens", "streaming"}
+
+    def test_continuous_batching_reaches_the_engine_through_its_compatibility_module(self):
+        source = (ROOT / "src" / "transformers_lookahead" / "continuous_batching.py").read_text()
+        self.assertEqual(
+            sorted(engine_reach(source) & self.ENGINE_ATTRIBUTES), [], "move it to engine_compatibility.py"
+        )
+
+    def test_a_reach_into_a_request_state_is_found(self):
+        reaching = "def plan(state):\n    state.tokens_to_process = [1]\n    return state.position_offset\n"
+        self.assertEqual(engine_reach(reaching) & self.ENGINE_ATTRIBUTES, {"tokens_to_process", "position_offset"})
+
+
+def engine_reach(source: str) -> set[str]:
+    """Every attribute name `source` reads or writes."""
+    return {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)}
 
 
 class PrivateNamesTest(unittest.TestCase):

@@ -4,50 +4,39 @@ Lookahead decoding inside Transformers' continuous batching (`generate_batch`, `
 Each decoding request contributes a block instead of one token: its pending token, window and candidates
 (`RowLayout.row`), masked over its own paged KV. The step verifies every request on its own, moves the accepted
 entries into place in its pages and gives back the pages past them. Prefill, scheduling and requests joining and
-leaving stay Transformers' own. The processor and model runner that run the step, and the page moves, are in
-`engine_compatibility.py`; `LookaheadBatching` reads the scheduler's request states and writes the positions and
-masks of the batch Transformers prepared.
+leaving stay Transformers' own. Everything that reads or writes the engine's objects (its processor, model runner,
+request states, prepared batch, paged cache and config) is in `engine_compatibility.py`; `LookaheadBatching` plans,
+verifies and commits from plain values.
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    GenerationConfig,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-from transformers.generation.continuous_batching import cb_logits_processors
-from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
-)
-from transformers.generation.continuous_batching.requests import (
-    RequestState,
-    RequestStatus,
 )
 from transformers.utils import logging
 
 from .adaptive_planner import AdaptivePlanner
 from .adaptive_policy import batch_step_length
-from .compatibility import attention_implementation
 from .configuration_lookahead import LookaheadConfig
 from .cost_measurement import model_key
 from .cost_model import EngineStepCost, StepCostModel, padded_step_cost, padded_table
 from .engine_compatibility import (
-    PER_REQUEST_WARPERS,
     LookaheadBatchProcessor,
     ManagerHooks,
+    engine_step_budget,
     kept_continuous_batching_manager,
+    lookahead_engine_config,
     move_accepted_entries,
     release_pages_past,
+    request_processors,
 )
 from .lookahead_state import LookaheadState
 from .sequence_lookahead import SequenceLookahead, SequenceStep, StepPlanner
@@ -61,8 +50,6 @@ if TYPE_CHECKING:
 
 logger = logging.get_logger(__name__)
 
-# The paged-attention backends that take an explicit mask (the flash ones build causal masks from sequence lengths).
-MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
 # At most this share of a batch's token budget goes to lookahead blocks while requests wait for their prefill, so
 # that speculation never holds new requests back for long.
 SHARE_WHILE_REQUESTS_WAIT = 0.5
@@ -109,8 +96,6 @@ class LookaheadBatching:
             self.engine_cost = EngineStepCost(
                 cost, tuning.engine_steps_kept, tuning.engine_steps_needed, state.recall_engine_steps(self.engine_key)
             )
-        # Query and key tokens of the pass `lay_out` prepared, and the requests it verifies, for `observe_step`.
-        self.step_shape: tuple[int, int, int] | None = None
         # A window for one request, priced as the engine pads it; the engine times whole steps itself
         # (`EngineStepCost`), not through the policies' pricing, which `plan` prices per batch.
         window_cost = padded_table(cost, 1, query_padding, max_batch_tokens) if cost and query_padding else None
@@ -136,23 +121,29 @@ class LookaheadBatching:
 
     # Planning, before the scheduler.
 
-    def plan(self, active: dict[str, RequestState], requests_wait: bool) -> None:
+    def pending(self, request_id: str) -> list[int] | None:
+        """The token a known request decodes from next (its last), or `None` for a request not decoding yet."""
+        lookahead = self.requests.get(request_id)
+        return None if lookahead is None else lookahead.tokens[-1:]
+
+    def plan(self, active: dict[str, int | None], requests_wait: bool) -> dict[str, list[int]]:
         """
-        Gives every decoding request of `active` (the scheduler's) its block for the next step (its
-        `tokens_to_process`) within the token budget, or `SHARE_WHILE_REQUESTS_WAIT` of it where `requests_wait`.
+        Gives every decoding request its block for the next step within the token budget, or
+        `SHARE_WHILE_REQUESTS_WAIT` of it where `requests_wait`.
+
+        Args:
+            active (`dict[str, int | None]`): the engine's active requests, each with the entries it has cached
+                where it decodes from its `pending` token this step, else `None`.
+
+        Returns:
+            `dict[str, list[int]]`: the tokens each planned request processes.
         """
         self.steps = {}
         for request_id in [request_id for request_id in self.requests if request_id not in active]:
             del self.requests[request_id]  # cancelled, or failed
-        decoding = [
-            (request_id, state)
-            for request_id, state in active.items()
-            if state.status == RequestStatus.DECODING
-            and request_id in self.requests
-            and state.tokens_to_process == self.requests[request_id].tokens[-1:]
-        ]
+        decoding = [(request_id, cached) for request_id, cached in active.items() if cached is not None]
         if not decoding:
-            return
+            return {}
         lookaheads = [self.requests[request_id] for request_id, _ in decoding]
         share = SHARE_WHILE_REQUESTS_WAIT if requests_wait else 1.0
         longest = max(1, int(self.max_batch_tokens * share) // len(decoding))
@@ -170,100 +161,92 @@ class LookaheadBatching:
                 engine_cost = padded_step_cost(engine_cost, len(decoding), self.query_padding)
             budget = batch_step_length(offers, engine_cost or self.planner.pricing, tuple(lengths or [1]))
         room = self.max_batch_tokens
-        for (request_id, state), lookahead, offer in zip(decoding, lookaheads, offers):
+        for (request_id, cached), lookahead, offer in zip(decoding, lookaheads, offers):
             # Within the step's budget, leaving every request after this one a token.
             fits = min(longest, room - (len(decoding) - len(self.steps) - 1))
             step = lookahead.plan(offer, self.layout, budget, fits)
-            step.past = state.position_offset
+            step.past = cached
             room -= step.row.length
             self.steps[request_id] = step
-            state.tokens_to_process = list(step.row.tokens)
+        return {request_id: list(step.row.tokens) for request_id, step in self.steps.items()}
 
-    def unplan(self, scheduled: set[str], active: dict[str, RequestState]) -> None:
-        """Puts back the pending token of the planned requests the scheduler left out of the step."""
-        for request_id in [request_id for request_id in self.steps if request_id not in scheduled]:
-            step = self.steps.pop(request_id)
-            state = active.get(request_id)
-            if state is not None:
-                state.tokens_to_process = step.sequence.tokens[-1:]
+    def unplan(self, scheduled: set[str]) -> dict[str, list[int]]:
+        """Drops the planned requests the scheduler left out of the step; returns the pending token of each."""
+        left_out = [request_id for request_id in self.steps if request_id not in scheduled]
+        return {request_id: self.steps.pop(request_id).sequence.tokens[-1:] for request_id in left_out}
 
     # Laying out, after Transformers prepared the batch.
 
-    def lay_out(self, inputs_and_outputs: Any) -> list[int]:
+    def lay_out(self, blocks: list[tuple[str, int, int]]) -> tuple[list[int], list[tuple[int, SequenceStep]]]:
         """
-        Writes each block's positions and mask over the batch Transformers prepared (causal blocks at consecutive
-        positions), and returns the rows whose logits the step needs: every row a block verifies from, and the last
-        row of every other request that gets a token.
+        The rows whose logits the step needs (every row a block verifies from, and the last row of every other
+        request that gets a token), and the blocks whose positions and masks the batch must take.
+
+        Args:
+            blocks (`list[tuple[str, int, int]]`): each request that gets a token: its id and its rows in the batch.
+
+        Returns:
+            The rows, and `(index in blocks, step)` of each lookahead block (causal blocks at consecutive positions).
         """
-        io = inputs_and_outputs
-        count = len(io.requests_in_batch)
-        starts = io.cumulative_seqlens_q[: count + 1].tolist()
-        key_starts = {name: seqlens[: count + 1].tolist() for name, seqlens in io.cumulative_seqlens_k.items()}
-        rows, self.logits_rows = [], {}
-        verified = 0
-        for index, future in enumerate(io.requests_in_batch):
-            if not future.has_new_token:
-                continue
-            request_id = future.state.request_id
-            start, end = starts[index], starts[index + 1]
+        rows, written, self.logits_rows = [], [], {}
+        for index, (request_id, start, end) in enumerate(blocks):
             step = self.steps.get(request_id)
             if step is None or step.row.length == 1:
                 self.logits_rows[request_id] = (len(rows), 1)
                 rows.append(end - 1)
                 continue
-            row = step.row
-            if end - start != row.length:
+            if end - start != step.row.length:
                 raise RuntimeError(
-                    f"Request {request_id} was scheduled {end - start} of its {row.length} step tokens."
+                    f"Request {request_id} was scheduled {end - start} of its {step.row.length} step tokens."
                 )
-            io.position_ids[start:end] = row.positions.to(io.position_ids)
-            if io.attention_mask is not None:
-                hidden = torch.where(row.visible, 0.0, torch.finfo(io.model_dtype).min)
-                for name, mask in io.attention_mask.items():
-                    key_start = key_starts[name][index] + step.past
-                    mask[0, 0, start:end, key_start : key_start + row.length] = hidden.to(mask)
-            self.logits_rows[request_id] = (len(rows), len(row.logits_rows))
-            rows.extend(start + index for index in row.logits_rows)
-            verified += 1
-        # A padded step costs what its padded query does.
-        self.step_shape = (io.num_q_tokens, max(keys[-1] for keys in key_starts.values()), verified)
-        return rows
+            written.append((index, step))
+            self.logits_rows[request_id] = (len(rows), len(step.row.logits_rows))
+            rows.extend(start + row for row in step.row.logits_rows)
+        return rows, written
 
-    def observe_step(self, seconds: float) -> None:
-        """Learns the engine's cost from the step `lay_out` prepared, which took `seconds` in all."""
-        if self.engine_cost is not None and self.step_shape is not None:
-            self.engine_cost.observe(*self.step_shape, seconds)
+    def observe_step(self, seconds: float, query_tokens: int, key_tokens: int, verified: int) -> None:
+        """Learns the engine's cost from a step of that shape, which took `seconds` in all."""
+        if self.engine_cost is not None:
+            self.engine_cost.observe(query_tokens, key_tokens, verified, seconds)
             self.state.remember_engine_steps(self.engine_key, self.engine_cost.history())
-        self.step_shape = None
 
     # Settling, after the forward pass.
 
     def accept(
-        self, state: RequestState, return_logprobs: bool
-    ) -> tuple[SequenceLookahead, SequenceStep | None, bool]:
+        self,
+        request_id: str,
+        append: Callable[[int, torch.Tensor], bool],
+        new: tuple[list[int], int, dict[str, Any]] | None = None,
+    ) -> tuple[SequenceLookahead, SequenceStep | None, bool, int | None]:
         """
-        Verifies one request's part of the step (`state`, its next token due) and appends what it accepted, with
-        log-probabilities where `return_logprobs`; its entries' moves wait for `commit`. Returns the request's
-        lookahead, its step (`None` right after its prefill), and whether it finished.
+        Verifies one request's part of the step and appends what it accepted; its entries' moves wait for `commit`.
+
+        Args:
+            request_id (`str`): the request.
+            append (`Callable[[int, torch.Tensor], bool]`): gives the request a token (with its scores); whether
+                the request finished.
+            new (`tuple`, *optional*): for a request right after its prefill: its text, the tokens it may still
+                generate, and its sampling settings.
+
+        Returns:
+            The request's lookahead, its step (`None` right after its prefill), whether it finished, and the entries
+            it has cached after the step where they changed.
         """
-        request_id = state.request_id
         lookahead = self.requests.get(request_id)
         step = self.steps.get(request_id)
         first, count = self.logits_rows[request_id]
         logits, choices = self.logits[first : first + count], self.choices[first : first + count]
-        finished = False
+        finished, cached = False, None
 
         def stop(token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
             nonlocal finished
-            logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if return_logprobs else None
-            finished = state.update_and_check_completion(token, logprob)
+            finished = append(token, scores)
             return finished
 
         if lookahead is None:
             # Right after its prefill: its lookahead is built from its prompt and this first token, as in `generate`.
-            tokens = list(state.initial_tokens) + list(state.generated_tokens)
-            remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
-            processors = request_processors(self.logits_processor, state.logit_processor_kwargs)
+            tokens, remaining, settings = new
+            processors = request_processors(self.logits_processor, settings)
             verifier = self.planner.verifiers([processors_for_row(processors, 0, 1)])[0]
             input_ids = torch.tensor([tokens], device="cpu") if verifier.reads_text else None
             verdict = verifier.verify(logits, TokenTree(), 1, input_ids, remaining, choices)
@@ -283,10 +266,10 @@ class LookaheadBatching:
             if verified and not finished:
                 nodes = verdict.nodes[: kept - 1]
                 self.moves.append((request_id, step.past, step.row.length, step.row.tree_start, nodes))
-                state.position_offset = step.past + kept
+                cached = step.past + kept
         if finished:
             self.finish(request_id)
-        return lookahead, step, finished
+        return lookahead, step, finished, cached
 
     def commit(self, cache: Any) -> None:
         """Moves the step's accepted entries into place, then gives back the pages past what each request kept."""
@@ -321,22 +304,20 @@ class LookaheadContinuousBatchingManager(ManagerHooks):
     def adopt_processor(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
         if isinstance(processor, LookaheadBatchProcessor):
             return processor  # reused, and reset
-        runner = processor.model_runner
         lookahead = LookaheadBatching(
             self.model,
             self.lookahead_config,
             self.generation_config,
-            self.logit_processor.logits_processor,
+            self.logits_processor,
             self.lookahead_state,
             self.lookahead_cost,
-            processor.max_batch_tokens,
-            runner.cb_config.q_padding_interval_size if runner.pad_inputs else None,
+            *engine_step_budget(processor),
         )
         return LookaheadBatchProcessor.adopt(processor, self.model, lookahead)
 
     def add_request(self, input_ids: list[int], *args: Any, **kwargs: Any) -> str | None:
         """The stock `add_request`, its per-request sampling settings checked first (a `ValueError` names one refused)."""
-        request_processors(self.logit_processor.logits_processor, kwargs)
+        request_processors(self.logits_processor, kwargs)
         return super().add_request(input_ids, *args, **kwargs)
 
 
@@ -358,7 +339,7 @@ def init_continuous_batching_with_lookahead(
     if config is None or kept_continuous_batching_manager(model) is not None:
         # Off, or a manager kept from an earlier session (`persistent_manager=True`), which the stock method returns.
         return stock(generation_config, continuous_batching_config, workload_hints)
-    cb_config = _lookahead_cb_config(model, generation, continuous_batching_config)
+    cb_config = lookahead_engine_config(model, generation, continuous_batching_config)
     state = getattr(model, "lookahead_state", None) or LookaheadState()
     # Checked and measured while the model still runs its own attention backend (the engine switches `eager` to paged
     # eager), and in a thread that ends: on a CPU, torch's OpenMP workers stay with the thread that ran the passes and would
@@ -393,65 +374,3 @@ def _class_init_continuous_batching(model: PreTrainedModel) -> Any:
         if method is not None and not method.__module__.startswith(f"{__package__}."):
             return method.__get__(model, type(model))
     raise TypeError(f"{type(model).__name__} has no `init_continuous_batching` of Transformers'.")
-
-
-def _lookahead_cb_config(
-    model: PreTrainedModel, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig | None
-) -> ContinuousBatchingConfig:
-    """Checks what lookahead needs of the engine, and returns the engine's config with those settings fixed."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
-    problems = []
-    attention = attention_implementation(model)
-    if attention not in MASKED_BACKENDS:
-        problems.append(
-            f"an attention backend that takes an explicit mask ({', '.join(MASKED_BACKENDS)}), got "
-            f"attn_implementation={attention!r}: load the model with attn_implementation='sdpa'"
-        )
-    layer_groups = set(group_layers_by_attn_type(model.config.get_text_config()))
-    if layer_groups != {"full_attention"}:
-        problems.append(f"full-attention layers only, got {sorted(layer_groups)}")
-    if cb_config.scheduler_type != "fifo":
-        problems.append(f"scheduler_type='fifo' (decoding requests scheduled first), got {cb_config.scheduler_type!r}")
-    if cb_config.use_async_batching:
-        problems.append("use_async_batching=False (a step's accepted tokens decide the next step's inputs)")
-    if (generation_config.num_return_sequences or 1) > 1:
-        problems.append(f"num_return_sequences=1, got {generation_config.num_return_sequences}")
-    if getattr(model, "tp_size", None) and model.tp_size > 1:
-        problems.append("a model on one device (tensor parallelism is not supported here yet)")
-    if problems:
-        raise ValueError(
-            "Lookahead decoding inside continuous batching needs " + "; ".join(problems) + ". Or set "
-            '`lookahead_window="off"` in the generation config for plain continuous batching.'
-        )
-    cb_config.use_async_batching = False
-    # The stock engine would switch sdpa to a flash kernel where one is installed; those take no mask.
-    cb_config.auto_switch_to_flash = False
-    return cb_config
-
-
-def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:
-    """
-    The processors one request is verified with: the engine's, its per-request temperature / top-k / top-p warpers
-    (`per_request_processors=True`) replaced by the stock warper with the request's `settings` value.
-    """
-    own = LogitsProcessorList()
-    for processor in processors:
-        if isinstance(processor, cb_logits_processors.ContinuousBatchingLogitsProcessor):
-            name = PER_REQUEST_WARPERS.get(type(processor).__name__)
-            if name is None:
-                raise ValueError(
-                    f"Lookahead decoding verifies each request with its own {', '.join(PER_REQUEST_WARPERS.values())}"
-                    f" only, got the per-request processor {type(processor).__name__}: set "
-                    "per_request_processors=False in the continuous batching config."
-                )
-            value = settings.get(name, getattr(processor, name))
-            if name == "temperature":
-                processor = TemperatureLogitsWarper(value)
-            elif name == "top_k":
-                processor = TopKLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
-            else:
-                processor = TopPLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
-        own.append(processor)
-    return own

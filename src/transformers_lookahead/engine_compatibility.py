@@ -2,17 +2,28 @@
 Transformers' continuous-batching engine (`transformers.generation.continuous_batching`) as the lookahead engine
 reaches it, in one place: the processor, model runner and manager it takes over (`LookaheadBatchProcessor` and
 `LookaheadModelRunner` run a step's lookahead blocks, which `continuous_batching.LookaheadBatching` plans and
-verifies), the paged-cache moves of a step, and the request settings its warpers read. A release that changes one
+verifies from plain values), the request states and prepared batch they read and write, the paged-cache moves of a
+step, the engine settings lookahead needs, and the request settings its warpers read. A release that changes one
 breaks here, and `tests/test_compatibility.py` says which one moved.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.continuous_batching import cb_logits_processors
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
@@ -20,12 +31,16 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
+from .compatibility import attention_implementation
 from .step_forward import logits_at
 from .verification import read_choices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+# The paged-attention backends that take an explicit mask (the flash ones build causal masks from sequence lengths).
+MASKED_BACKENDS = ("sdpa", "paged|eager", "eager")
 # Transformers' per-request warpers (`per_request_processors=True`, as `transformers serve --continuous-batching`
 # sets), and the request setting each reads.
 PER_REQUEST_WARPERS = {
@@ -95,6 +110,17 @@ class ManagerHooks(ContinuousBatchingManager):
     def adopt_processor(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
         """The processor the engine runs, given the one Transformers built (that one unless overridden)."""
         return processor
+
+    @property
+    def logits_processor(self) -> LogitsProcessorList:
+        """The processors the engine applies (per-request warpers among them, `per_request_processors=True`)."""
+        return self.logit_processor.logits_processor
+
+
+def engine_step_budget(processor: ContinuousBatchProcessor) -> tuple[int, int | None]:
+    """The engine's token budget per pass, and the multiple it pads queries to where it pads them."""
+    runner = processor.model_runner
+    return processor.max_batch_tokens, runner.cb_config.q_padding_interval_size if runner.pad_inputs else None
 
 
 def taken_over(instance: Any, cls: type) -> Any:
@@ -242,6 +268,7 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
         if runner.pad_inputs:
             processor.model_runner = LookaheadModelRunner.adopt(runner, model, lookahead.max_batch_tokens)
         processor.step_rows = None
+        processor.step_shape = None
         processor.step_started = 0.0
         return processor
 
@@ -252,14 +279,45 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
     def prepare_next_batch(self) -> bool:
         # A step is priced whole (`EngineStepCost`): from here, planning, to `update_batch`'s last cache move.
         self.step_started = time.perf_counter()
-        scheduler = self.scheduler
-        self.lookahead.plan(scheduler.active_requests, requests_wait=bool(scheduler.waiting_requests))
+        active = self.scheduler.active_requests
+        decoding = {
+            request_id: state.position_offset
+            if state.status == RequestStatus.DECODING and state.tokens_to_process == self.lookahead.pending(request_id)
+            else None
+            for request_id, state in active.items()
+        }
+        planned = self.lookahead.plan(decoding, requests_wait=bool(self.scheduler.waiting_requests))
+        for request_id, tokens in planned.items():
+            active[request_id].tokens_to_process = tokens
         ready = super().prepare_next_batch()
         batch = self.inputs_and_outputs.requests_in_batch if ready else []
-        self.lookahead.unplan({future.state.request_id for future in batch}, scheduler.active_requests)
+        for request_id, tokens in self.lookahead.unplan({future.state.request_id for future in batch}).items():
+            if request_id in active:
+                active[request_id].tokens_to_process = tokens
         if ready:
-            self.step_rows = self.lookahead.lay_out(self.inputs_and_outputs)
+            self.step_rows = self._lay_out()
         return ready
+
+    def _lay_out(self) -> list[int]:
+        """Writes each lookahead block's positions and mask over the batch Transformers prepared; the logits rows."""
+        io = self.inputs_and_outputs
+        count = len(io.requests_in_batch)
+        starts = io.cumulative_seqlens_q[: count + 1].tolist()
+        key_starts = {name: seqlens[: count + 1].tolist() for name, seqlens in io.cumulative_seqlens_k.items()}
+        given = [(index, future) for index, future in enumerate(io.requests_in_batch) if future.has_new_token]
+        blocks = [(future.state.request_id, starts[index], starts[index + 1]) for index, future in given]
+        rows, written = self.lookahead.lay_out(blocks)
+        for block, step in written:
+            index, (_, start, end) = given[block][0], blocks[block]
+            io.position_ids[start:end] = step.row.positions.to(io.position_ids)
+            if io.attention_mask is not None:
+                hidden = torch.where(step.row.visible, 0.0, torch.finfo(io.model_dtype).min)
+                for name, mask in io.attention_mask.items():
+                    key_start = key_starts[name][index] + step.past
+                    mask[0, 0, start:end, key_start : key_start + step.row.length] = hidden.to(mask)
+        # A padded step costs what its padded query does.
+        self.step_shape = (io.num_q_tokens, max(keys[-1] for keys in key_starts.values()), len(written))
+        return rows
 
     @torch.no_grad()
     def forward_step(self, model: torch.nn.Module) -> None:
@@ -286,7 +344,7 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
             if future.has_new_token:
                 if state.generated_len() == 0:
                     state.status = RequestStatus.DECODING
-                settled.append((future, *self.lookahead.accept(state, self.return_logprobs)))
+                settled.append((future, *self._accept(state)))
             elif state.status == RequestStatus.PREFILLING:
                 self.cache.mark_complete_blocks(state, future.complete_blocks)
         self.lookahead.commit(self.cache)
@@ -304,6 +362,86 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
                 output = state.to_generation_output()
                 outputs.append(LookaheadGenerationOutput(**vars(output), accepted_per_step=list(lookahead.accepted)))
         # The step's choices were read on the host, so the device's work is done by now.
-        self.lookahead.observe_step(time.perf_counter() - self.step_started)
+        if self.step_shape is not None:
+            self.lookahead.observe_step(time.perf_counter() - self.step_started, *self.step_shape)
+            self.step_shape = None
         if outputs:
             self.output_router.deliver_batch(outputs)
+
+    def _accept(self, state: RequestState) -> tuple[Any, Any, bool]:
+        """Verifies one request's part of the step (`LookaheadBatching.accept`) and updates its request state."""
+
+        def append(token: int, scores: torch.Tensor) -> bool:
+            logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if self.return_logprobs else None
+            return state.update_and_check_completion(token, logprob)
+
+        new = None
+        if self.lookahead.pending(state.request_id) is None:
+            remaining = state.max_new_tokens - state.generated_len() if state.max_new_tokens is not None else 1 << 30
+            new = ([*state.initial_tokens, *state.generated_tokens], remaining, state.logit_processor_kwargs)
+        lookahead, step, finished, cached = self.lookahead.accept(state.request_id, append, new)
+        if cached is not None:
+            state.position_offset = cached
+        return lookahead, step, finished
+
+
+def lookahead_engine_config(
+    model: PreTrainedModel, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig | None
+) -> ContinuousBatchingConfig:
+    """Checks what lookahead needs of the engine, and returns the engine's config with those settings fixed."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    problems = []
+    attention = attention_implementation(model)
+    if attention not in MASKED_BACKENDS:
+        problems.append(
+            f"an attention backend that takes an explicit mask ({', '.join(MASKED_BACKENDS)}), got "
+            f"attn_implementation={attention!r}: load the model with attn_implementation='sdpa'"
+        )
+    layer_groups = set(group_layers_by_attn_type(model.config.get_text_config()))
+    if layer_groups != {"full_attention"}:
+        problems.append(f"full-attention layers only, got {sorted(layer_groups)}")
+    if cb_config.scheduler_type != "fifo":
+        problems.append(f"scheduler_type='fifo' (decoding requests scheduled first), got {cb_config.scheduler_type!r}")
+    if cb_config.use_async_batching:
+        problems.append("use_async_batching=False (a step's accepted tokens decide the next step's inputs)")
+    if (generation_config.num_return_sequences or 1) > 1:
+        problems.append(f"num_return_sequences=1, got {generation_config.num_return_sequences}")
+    if getattr(model, "tp_size", None) and model.tp_size > 1:
+        problems.append("a model on one device (tensor parallelism is not supported here yet)")
+    if problems:
+        raise ValueError(
+            "Lookahead decoding inside continuous batching needs " + "; ".join(problems) + ". Or set "
+            '`lookahead_window="off"` in the generation config for plain continuous batching.'
+        )
+    cb_config.use_async_batching = False
+    # The stock engine would switch sdpa to a flash kernel where one is installed; those take no mask.
+    cb_config.auto_switch_to_flash = False
+    return cb_config
+
+
+def request_processors(processors: LogitsProcessorList, settings: dict[str, Any]) -> LogitsProcessorList:
+    """
+    The processors one request is verified with: the engine's, its per-request temperature / top-k / top-p warpers
+    (`per_request_processors=True`) replaced by the stock warper with the request's `settings` value.
+    """
+    own = LogitsProcessorList()
+    for processor in processors:
+        if isinstance(processor, cb_logits_processors.ContinuousBatchingLogitsProcessor):
+            name = PER_REQUEST_WARPERS.get(type(processor).__name__)
+            if name is None:
+                raise ValueError(
+                    f"Lookahead decoding verifies each request with its own {', '.join(PER_REQUEST_WARPERS.values())}"
+                    f" only, got the per-request processor {type(processor).__name__}: set "
+                    "per_request_processors=False in the continuous batching config."
+                )
+            value = settings.get(name, getattr(processor, name))
+            if name == "temperature":
+                processor = TemperatureLogitsWarper(value)
+            elif name == "top_k":
+                processor = TopKLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
+            else:
+                processor = TopPLogitsWarper(value, processor.filter_value, processor.min_tokens_to_keep)
+        own.append(processor)
+    return own
