@@ -44,7 +44,7 @@ class StepCheck:
     tokens; two branches `b` and `c d` after a shared token, `c d` not seeing `b`; and, where the config declares a
     window, a token that many hidden places into a step. For left-padded batches the model's own greedy decoding of
     a padded row must be the row's alone (`padding_failure`). A model failing either may still compute chain steps
-    exactly (`chain_failure`, `padded_chain_failure`), which `generate` then takes. The verdicts are about the
+    exactly (`chain_failure`, with and without left padding), which `generate` then takes. The verdicts are about the
     model's structure, so they hold whatever dtype, device or backend it moves to.
     """
 
@@ -73,7 +73,7 @@ class StepCheck:
                 verdicts["chain"] = chain_failure(model)
             chain_steps = "chain" in verdicts and verdicts["chain"] is None
             if padded and chain_steps and "padded_chain" not in verdicts:
-                verdicts["padded_chain"] = padded_chain_failure(model)
+                verdicts["padded_chain"] = chain_failure(model, padding=3)
         finally:
             model.train(training)
 
@@ -135,9 +135,7 @@ def step_failure(model: PreTrainedModel) -> str | None:
     it can.
     """
     name = type(model).__name__
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    # Ordinary tokens from the middle of the vocabulary (the first ids are often padding or special tokens).
-    ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
+    ids = _ordinary_ids(model, PREFIX_LENGTH + 3)
     prefix, (a, b, c) = ids[:PREFIX_LENGTH], ids[PREFIX_LENGTH:]
     d, p = prefix[1], PREFIX_LENGTH
     causal = [[True] * (row + 1) + [False] * (3 - row) for row in range(4)]
@@ -213,7 +211,7 @@ def token_count(cache: Cache) -> int:
     return int(cache.get_seq_length())
 
 
-def chain_failure(model: PreTrainedModel) -> str | None:
+def chain_failure(model: PreTrainedModel, padding: int = 0) -> str | None:
     """
     Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can:
     `LONGEST_CHAIN_CHECKED` tokens after a prefix fed as one chain step against the same tokens fed one per pass
@@ -221,19 +219,20 @@ def chain_failure(model: PreTrainedModel) -> str | None:
     does). The prefix is longer than the widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so
     that a model choosing among the pass's keys for its window (Doge) chooses otherwise than in one-token passes.
     Where the cache holds recurrent states, the step is then undone (`ChainCommitter.undo`) and its tokens fed again
-    one per pass: a state the model keeps beyond the cache's would show there.
+    one per pass: a state the model keeps beyond the cache's would show there. With `padding`, the prefix is
+    left-padded by that many slots and every pass given the padding mask and the positions `generate` gives it.
     """
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
+    ids = _ordinary_ids(model, PREFIX_LENGTH + 3)
     prefix = ids[:PREFIX_LENGTH]
     tokens = chain_tokens(model, ids[PREFIX_LENGTH:])
     far = _farthest_window(model)
-    if far is not None:
+    if far is not None and not padding:
         prefix = [ids[index % PREFIX_LENGTH] for index in range(far + 2)]
+    shift, start = generate_position_shift(model), len(prefix)
     try:
         with torch.no_grad():
-            plain = _one_token_passes(model, prefix, tokens)
-            cache = _prefilled(model, prefix)
+            plain = _one_token_passes(model, prefix, tokens, padding)
+            cache = _prefilled(model, prefix, padding)
             committer = committer_for(cache, owner=type(model).__name__)
             committer.start()
             committer.before_step(feeds_guesses=True)
@@ -241,18 +240,27 @@ def chain_failure(model: PreTrainedModel) -> str | None:
             tree = TokenTree()
             for depth, token in enumerate(tokens[1:], start=1):
                 tree.ensure_child(depth - 2, token, depth)
-            row = layout.row(tokens[:1], len(prefix) + (generate_position_shift(model) or 0), None, tree)
-            chain = StepForward(model, cache)(layout.build(cache, [row]))[0].float()
-            held = token_count(cache)
+            row = layout.row(tokens[:1], start + (padding if shift is None else shift), None, tree)
+            slot_valid = torch.tensor([[False] * padding + [True] * start], device=model.device) if padding else None
+            chain = StepForward(model, cache)(layout.build(cache, [row], slot_valid))[0].float()
+            held = token_count(cache) - padding
             again = None
-            if isinstance(committer, ChainCommitter) and committer.states is not None:
+            if isinstance(committer, ChainCommitter) and committer.states is not None and not padding:
                 committer.undo(len(tokens))
-                start = len(prefix)
                 again = torch.stack([_plain_pass(model, [token], start + i, cache) for i, token in enumerate(tokens)])
     except Exception as error:  # noqa: BLE001 - whatever the model raises on a chain step is why it is refused
+        if padding:
+            return f"It fails on a chain step after left padding ({type(error).__name__}: {error})."
         return f"It also fails on a chain step ({type(error).__name__}: {error})."
-    if held != len(prefix) + len(tokens):
-        return f"Its cache also holds {held} entries after {len(prefix) + len(tokens)} tokens in a chain step."
+    if padding:
+        if _close(chain, plain, model.dtype):
+            return None
+        return (
+            f"After left padding, a chain step of {len(tokens)} tokens gives other logits than as many one-token "
+            "passes, so lookahead cannot give plain greedy's output for a left-padded batch."
+        )
+    if held != start + len(tokens):
+        return f"Its cache also holds {held} entries after {start + len(tokens)} tokens in a chain step."
     if not _close(chain, plain, model.dtype):
         return (
             f"A chain step of {len(tokens)} tokens (the padding id among them) also gives other logits than "
@@ -278,70 +286,14 @@ def chain_tokens(model: PreTrainedModel, ordinary: list[int]) -> list[int]:
     return tokens
 
 
-def padded_chain_failure(model: PreTrainedModel) -> str | None:
-    """
-    Why `model` cannot decode chain steps exactly in a left-padded batch, a sentence, or `None` when it can: a
-    chain step after a left-padded prefix against one-token passes after it, each pass given the padding mask and
-    the positions `generate` gives it.
-    """
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 3)]
-    prefix = ids[:PREFIX_LENGTH]
-    tokens = chain_tokens(model, ids[PREFIX_LENGTH:])
-    pad = model.generation_config.pad_token_id
-    pad, padding, device = (pad if isinstance(pad, int) else 0), 3, model.device
-    shift = generate_position_shift(model)
-    argument = cache_argument(model)
-
-    def prefilled() -> DynamicCache:
-        cache = DynamicCache(config=model.config)
-        mask = torch.tensor([[0] * padding + [1] * len(prefix)], device=device)
-        kwargs = {argument: cache, "use_cache": True, "attention_mask": mask}
-        if shift is not None:
-            kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1) + shift
-        model(input_ids=torch.tensor([[pad] * padding + prefix], device=device), **kwargs)
-        return cache
-
-    def one_token_pass(cache: DynamicCache, token: int, position: int) -> torch.Tensor:
-        mask = torch.tensor([[0] * padding + [1] * (position + 1)], device=device)
-        kwargs = {argument: cache, "use_cache": True, "attention_mask": mask}
-        if shift is not None:
-            kwargs["position_ids"] = torch.tensor([[position + shift]], device=device)
-        return model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1].float()
-
-    try:
-        with torch.no_grad():
-            cache = prefilled()
-            start = len(prefix)
-            plain = torch.stack([one_token_pass(cache, token, start + i) for i, token in enumerate(tokens)])
-            cache = prefilled()
-            layout = ChainLayout.for_model(model)
-            tree = TokenTree()
-            for depth, token in enumerate(tokens[1:], start=1):
-                tree.ensure_child(depth - 2, token, depth)
-            row = layout.row(tokens[:1], start + (padding if shift is None else shift), None, tree)
-            slot_valid = torch.tensor([[False] * padding + [True] * start], device=device)
-            chain = StepForward(model, cache)(layout.build(cache, [row], slot_valid))[0].float()
-    except Exception as error:  # noqa: BLE001 - whatever the model raises on a padded chain step is the reason
-        return f"It fails on a chain step after left padding ({type(error).__name__}: {error})."
-    if _close(chain, plain, model.dtype):
-        return None
-    return (
-        f"After left padding, a chain step of {len(tokens)} tokens gives other logits than as many one-token passes, "
-        "so lookahead cannot give plain greedy's output for a left-padded batch."
-    )
-
-
 def padding_failure(model: PreTrainedModel) -> str | None:
     """
     Why lookahead cannot decode `model` in a left-padded batch, or `None`: where the model's own greedy decoding of a
     left-padded row differs from the row alone (it treats padding as text somewhere), a lookahead step, which hides
     padding as a mask must, cannot give plain greedy's output.
     """
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    row = [vocab // 3 + offset for offset in range(PREFIX_LENGTH + 1)]
-    pad = model.generation_config.pad_token_id
-    pad = 0 if not isinstance(pad, int) else pad
+    row = _ordinary_ids(model, PREFIX_LENGTH + 1)
+    pad = _pad_id(model)
     device, padding = model.device, 3
     outputs = []
     try:
@@ -389,30 +341,48 @@ def _farthest_window(model: PreTrainedModel) -> int | None:
     return max(windows) if windows and max(windows) <= LONGEST_WINDOW_CHECKED else None
 
 
-def _plain_pass(model: PreTrainedModel, tokens: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+def _plain_pass(
+    model: PreTrainedModel, tokens: list[int], start: int, cache: DynamicCache, padding: int = 0
+) -> torch.Tensor:
     """
-    One pass of plain decoding over `tokens` from position `start`: position ids as `generate` prepares them (none
-    for a model that numbers positions itself, shifted as its preparation shifts them: `generate_position_shift`).
-    Returns the last token's logits.
+    One pass of plain decoding over `tokens` from position `start`, after `padding` left-padding slots (fed with the
+    first pass): the mask and position ids as `generate` prepares them (none for a model that numbers positions
+    itself, shifted as its preparation shifts them: `generate_position_shift`). Returns the last token's logits.
     """
     kwargs = {cache_argument(model): cache, "use_cache": True}
+    positions = list(range(start, start + len(tokens)))
+    if padding:
+        kwargs["attention_mask"] = torch.tensor([[0] * padding + [1] * (start + len(tokens))], device=model.device)
+        if start == 0:
+            tokens, positions = [_pad_id(model)] * padding + tokens, [1] * padding + positions
     shift = generate_position_shift(model)
     if shift is not None:
-        start += shift
-        kwargs["position_ids"] = torch.arange(start, start + len(tokens), device=model.device)[None]
+        kwargs["position_ids"] = torch.tensor([positions], device=model.device) + shift
     return model(input_ids=torch.tensor([tokens], device=model.device), **kwargs).logits[0, -1].float()
 
 
-def _prefilled(model: PreTrainedModel, prefix: list[int]) -> DynamicCache:
+def _prefilled(model: PreTrainedModel, prefix: list[int], padding: int = 0) -> DynamicCache:
     cache = DynamicCache(config=model.config)
-    _plain_pass(model, prefix, 0, cache)
+    _plain_pass(model, prefix, 0, cache, padding)
     return cache
 
 
-def _one_token_passes(model: PreTrainedModel, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+def _one_token_passes(model: PreTrainedModel, prefix: list[int], tokens: list[int], padding: int = 0) -> torch.Tensor:
     """The logits after each of `tokens`, fed one per pass after `prefix`, as plain decoding feeds them."""
-    cache = _prefilled(model, prefix)
-    return torch.stack([_plain_pass(model, [token], len(prefix) + index, cache) for index, token in enumerate(tokens)])
+    cache = _prefilled(model, prefix, padding)
+    start = len(prefix)
+    return torch.stack([_plain_pass(model, [token], start + i, cache, padding) for i, token in enumerate(tokens)])
+
+
+def _ordinary_ids(model: PreTrainedModel, count: int) -> list[int]:
+    """`count` ordinary token ids from the middle of the vocabulary (the first are often padding or special)."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    return [vocab // 3 + offset for offset in range(count)]
+
+
+def _pad_id(model: PreTrainedModel) -> int:
+    pad = model.generation_config.pad_token_id
+    return pad if isinstance(pad, int) else 0
 
 
 def _step(
