@@ -308,7 +308,8 @@ class LookaheadBatchProcessor(BatchProcessorHooks):
         blocks = [(future.state.request_id, starts[index], starts[index + 1]) for index, future in given]
         rows, written = self.lookahead.lay_out(blocks)
         for block, step in written:
-            index, (_, start, end) = given[block][0], blocks[block]
+            index = given[block][0]
+            _, start, end = blocks[block]
             io.position_ids[start:end] = step.row.positions.to(io.position_ids)
             if io.attention_mask is not None:
                 hidden = torch.where(step.row.visible, 0.0, torch.finfo(io.model_dtype).min)
