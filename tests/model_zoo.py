@@ -200,10 +200,15 @@ def text_config(config: PretrainedConfig, model_class: type) -> PretrainedConfig
 MAX_PARAMETERS = 150_000_000
 
 
-def build(architecture: Architecture, layers: bool = True, seed: int = 0) -> Any:
-    """The architecture's model, tiny and random in fp32, in eval mode (`layers`: as `shrink` takes it)."""
+def build(architecture: Architecture, layers: bool = True, seed: int = 0, **overrides: Any) -> Any:
+    """
+    The architecture's model, tiny and random in fp32, in eval mode (`layers`: as `shrink` takes it), with
+    `overrides` set on its config after shrinking.
+    """
     model_class = getattr(transformers, architecture.class_name)
     config = shrink(text_config(AutoConfig.for_model(architecture.model_type), model_class), layers)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     if "mrope_section" in inspect.getsource(sys.modules[model_class.__module__]):
         # The model splits its rotary dimensions into sections, by default Qwen2-VL's when the config names none.
         for part in _configs(config):
@@ -249,6 +254,22 @@ def left_padded_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def holey_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
+    """
+    `PROMPTS` with zeros in the mask after real tokens, as Transformers' model testers build masks: the first row
+    right-padded, the second with a hole inside the prompt.
+    """
+    width = max(len(prompt) for prompt in PROMPTS) + 2
+    input_ids = torch.full((len(PROMPTS), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    first, second = PROMPTS
+    input_ids[0, : len(first)], attention_mask[0, : len(first)] = torch.tensor(first), 1
+    hole = width - len(second)
+    input_ids[1, :3], input_ids[1, 3 + hole :] = torch.tensor(second[:3]), torch.tensor(second[3:])
+    attention_mask[1, :3], attention_mask[1, 3 + hole :] = 1, 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
 # How an exact verdict's detail starts where lookahead decoded the model in chain steps.
 CHAIN_STEPS = "In chain steps"
 
@@ -266,7 +287,8 @@ class Verdict:
 
 def verdict(model: torch.nn.Module, settings: tuple[dict, ...]) -> Verdict:
     """
-    Plain greedy against lookahead with each of `settings` on `PROMPTS` one at a time and as a left-padded batch:
+    Plain greedy against lookahead with each of `settings` on `PROMPTS` one at a time, as a left-padded batch and as
+    a right-padded and holey one (`holey_batch`):
     `exact` if every output is `torch.equal`, `refused` if lookahead raised a `ValueError` naming the model's class
     before the call's own prefill, else `failed`.
     """
@@ -277,7 +299,8 @@ def verdict(model: torch.nn.Module, settings: tuple[dict, ...]) -> Verdict:
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None or isinstance(pad, list) else pad
     common = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad}
-    inputs = [{"input_ids": torch.tensor([prompt])} for prompt in PROMPTS] + [left_padded_batch(pad)]
+    inputs = [{"input_ids": torch.tensor([prompt])} for prompt in PROMPTS]
+    inputs += [left_padded_batch(pad), holey_batch(pad)]
     shapes = []
 
     def record(module, args, kwargs):

@@ -3,6 +3,7 @@
 import unittest
 
 import torch
+import transformers
 from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
@@ -21,7 +22,7 @@ def mixed_prompts(count: int = 3) -> list[torch.LongTensor]:
     return [random_prompt(length, seed=seed) for seed, length in zip(range(count), (21, 9, 30, 4, 15, 26, 12, 18))]
 
 
-def _greedy_with_shape(model, inputs: dict, window, ngram, guess):
+def _greedy_with_shape(model, inputs: dict, window, ngram, guess, **settings):
     return model.generate(
         **inputs,
         max_new_tokens=30,
@@ -30,6 +31,7 @@ def _greedy_with_shape(model, inputs: dict, window, ngram, guess):
         lookahead_ngram=ngram,
         lookahead_guess=guess,
         return_dict_in_generate=True,
+        **settings,
     )
 
 
@@ -182,6 +184,22 @@ class BatchedExactnessTest(unittest.TestCase):
                 torch.testing.assert_close(out.scores[t][row], expected.scores[t][row], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(out.logits[t][row], expected.logits[t][row], rtol=1e-4, atol=1e-4)
 
+    def test_a_batch_returns_no_cache_and_says_so(self):
+        model = enable_lookahead(tiny_model("llama"))
+        inputs = left_padded(mixed_prompts(2))
+        plain = model.generate(**inputs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+        self.assertIsNotNone(plain.cache)
+        # Said once per process: forget that an earlier test of this worker said it.
+        transformers.utils.logging.warning_once.cache_clear()
+        with self.assertLogs("transformers_lookahead.lookahead_decoding", level="WARNING") as logs:
+            out = model.generate(
+                **inputs, max_new_tokens=8, do_sample=False, lookahead_window=4, return_dict_in_generate=True
+            )
+        self.assertIsNone(out.cache)
+        self.assertIn("returns no cache (`cache=None` in the output) for a batch", logs.output[0])
+        alone = model.generate(mixed_prompts(1)[0], max_new_tokens=8, lookahead_window=4, return_dict_in_generate=True)
+        self.assertIsNotNone(alone.cache)
+
     def test_streamer_with_a_batch_is_refused(self):
         model = enable_lookahead(tiny_model("llama"))
 
@@ -228,6 +246,49 @@ class BatchedExactnessTest(unittest.TestCase):
         for row, prompt in enumerate(prompts):
             alone = model.generate(prompt, max_new_tokens=40, do_sample=False)
             self.assertTrue(torch.equal(alone[0], expected[row, -alone.shape[1] :]))
+
+
+def holey_masks(prompts: list[torch.LongTensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """
+    Masks with zeros after real tokens, as Transformers' model testers build them: lower-triangular (`torch.tril`),
+    right padding, and holes inside the prompts (a left-padded row beside them).
+    """
+    width = max(prompt.shape[-1] for prompt in prompts) + 3
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    right = torch.zeros_like(input_ids)
+    holes = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        length = prompt.shape[-1]
+        input_ids[row, :length] = prompt[0]
+        right[row, :length] = 1
+        holes[row, :length] = 1
+        holes[row, 1 + row : 3 + row] = 0
+    holes[-1] = 0
+    holes[-1, -3:] = 1
+    tril = torch.tril(torch.ones_like(input_ids))
+    return {
+        name: {"input_ids": input_ids, "attention_mask": mask}
+        for name, mask in (("tril", tril), ("right_padded", right), ("holes", holes))
+    }
+
+
+class HoleyMaskTest(unittest.TestCase):
+    """Every mask plain `generate` decodes (with its right-padding warning) decodes to plain greedy's tokens."""
+
+    @parameterized.expand(
+        [("llama", {}), ("gpt2", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {}), ("qwen2_hybrid", {})]
+    )
+    def test_identical_to_plain_greedy(self, name, overrides):
+        # Chain steps (the model's own mask from the 2D padding mask) are checked by the zoo's holey batch.
+        model = enable_lookahead(tiny_model(name, **overrides), flat_state())
+        for mask_name, inputs in holey_masks(mixed_prompts(3)).items():
+            with self.assertLogs("transformers", level="WARNING"):
+                expected = model.generate(**inputs, max_new_tokens=30, do_sample=False)
+            for window, commit in ((4, "gather"), ("auto", "gather"), (4, "refeed")):
+                with self.subTest(mask=mask_name, window=window, commit=commit):
+                    out = _greedy_with_shape(model, inputs, window, 3, None, lookahead_cache_commit=commit)
+                    self.assertTrue(torch.equal(out.sequences, expected))
+                    self.assertTrue(any(max(row) > 1 for row in out.accepted_per_step), "multi-token steps")
 
 
 class BatchedSamplingTest(unittest.TestCase):

@@ -160,9 +160,22 @@ class StaticCacheTest(unittest.TestCase):
         from transformers_lookahead import enable_lookahead
 
         model = enable_lookahead(tiny_model("llama"))
+        passes = []
+        hook = model.register_forward_hook(lambda *_: passes.append(1))
+        self.addCleanup(hook.remove)
         prompts = torch.cat([random_prompt(10, seed=1), random_prompt(10, seed=2)])
-        with self.assertRaisesRegex(ValueError, "static cache sized for plain decoding"):
-            model.generate(prompts, max_new_tokens=10, lookahead_window=4, cache_implementation="static")
+        for prompt, extra, rows in (
+            (prompts, {}, 2),
+            (prompts[:1], {"num_return_sequences": 3, "do_sample": True}, 3),
+        ):
+            with self.subTest(rows=rows):
+                with self.assertRaisesRegex(
+                    ValueError, f"static cache sized for plain decoding.*a batch of {rows} rows"
+                ):
+                    model.generate(
+                        prompt, max_new_tokens=10, lookahead_window=4, cache_implementation="static", **extra
+                    )
+        self.assertEqual(passes, [], "refused before the prefill")
 
 
 class CompiledStepTest(unittest.TestCase):

@@ -117,5 +117,33 @@ class RecurrentStatesTest(unittest.TestCase):
         torch.testing.assert_close(selected, expected, rtol=1e-5, atol=1e-5)
 
 
+class IndexedAttentionBoundTest(unittest.TestCase):
+    """Indexed (top-k sparse) attention: multi-token steps while a query sees at most `index_topk` keys, no later."""
+
+    def test_steps_stay_within_the_top_k(self):
+        from transformers_lookahead import enable_lookahead
+
+        from .model_zoo import Architecture, build
+        from .utils import flat_state
+
+        architecture = Architecture("glm_moe_dsa", "GlmMoeDsaForCausalLM", "causal_lm")
+        model = enable_lookahead(build(architecture, seed=1, index_topk=100), flat_state())
+        model.generation_config.eos_token_id = None
+        prompt = torch.cat([torch.randint(2, 120, (20,), generator=torch.Generator().manual_seed(0))] * 4)[None]
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        for window in (4, "auto"):
+            with self.subTest(window=window):
+                out = model.generate(
+                    prompt, max_new_tokens=40, do_sample=False, lookahead_window=window, return_dict_in_generate=True
+                )
+                self.assertTrue(torch.equal(out.sequences, expected))
+                # The context each step started from: the prompt, its first token, what earlier steps accepted.
+                context = prompt.shape[1] + torch.tensor((0, *out.accepted_per_step)).cumsum(0)[:-1]
+                within = [accepted for accepted, start in zip(out.accepted_per_step, context.tolist()) if start < 99]
+                beyond = [accepted for accepted, start in zip(out.accepted_per_step, context.tolist()) if start >= 99]
+                self.assertGreater(max(within), 1, "multi-token steps within the top-k")
+                self.assertEqual(set(beyond), {1})
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -1,14 +1,21 @@
 """
 Every logits processor and warper `generate` builds from a `GenerationConfig`, on a batch of three rows: lookahead
-verifies each row on its own, so each processor must act on a row called alone as it acts on the whole batch.
+verifies each row on its own, so each processor must act on a row called alone as it acts on the whole batch; a
+user's processor keeps plain decoding's calls for one row and is refused by name in a batch.
 """
 
+import collections
 import unittest
 import warnings
 
 import torch
 from parameterized import parameterized
-from transformers import SynthIDTextWatermarkingConfig, WatermarkingConfig
+from transformers import (
+    LogitsProcessor,
+    SynthIDTextWatermarkingConfig,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    WatermarkingConfig,
+)
 
 from transformers_lookahead import enable_lookahead
 from utils.distribution_check import homogeneity_p_value, token_counts
@@ -82,6 +89,71 @@ class BatchedProcessorsTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "cannot be combined with `guidance_scale` \\(got 1.5\\)"):
             self.model.generate(**self.inputs, max_new_tokens=5, guidance_scale=1.5, lookahead_window=4)
         self.assertEqual(passes, [])
+
+
+class RowCounting(LogitsProcessor):
+    """A user's processor of the kind that keeps state per batch row: it bans each row's most recent token once the
+    row has been called an even number of times, and records the shapes it was called with."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.shapes = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.shapes.append(tuple(input_ids.shape))
+        scores = scores.clone()
+        for row in range(input_ids.shape[0]):
+            self.calls[row] += 1
+            if self.calls[row] % 2 == 0:
+                scores[row, input_ids[row, -1]] = -float("inf")
+        return scores
+
+
+class UserProcessorContractTest(unittest.TestCase):
+    """A processor lookahead does not know sees the batch as plain decoding passes it, or is refused by name."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = enable_lookahead(tiny_model("llama"), flat_state())
+
+    def test_one_row_sees_the_calls_plain_decoding_makes(self):
+        prompt = mixed_prompts(1)[0]
+        plain = RowCounting()
+        expected = self.model.generate(prompt, max_new_tokens=NEW_TOKENS, logits_processor=[plain])
+        for window in (4, "auto"):
+            with self.subTest(window=window):
+                ours = RowCounting()
+                out = self.model.generate(
+                    prompt,
+                    max_new_tokens=NEW_TOKENS,
+                    logits_processor=[ours],
+                    lookahead_window=window,
+                    return_dict_in_generate=True,
+                )
+                self.assertTrue(torch.equal(out.sequences, expected))
+                self.assertEqual(ours.shapes, plain.shapes)
+                self.assertLess(out.num_forward_passes, NEW_TOKENS, "multi-token steps")
+
+    def test_a_batch_is_refused_by_the_processor_name_before_any_pass(self):
+        passes = []
+        hook = self.model.register_forward_hook(lambda *_: passes.append(1))
+        self.addCleanup(hook.remove)
+        inputs = left_padded(mixed_prompts(2))
+        for extra in ({}, {"num_return_sequences": 2, "do_sample": True}):
+            with self.subTest(**extra):
+                rows = 2 * extra.get("num_return_sequences", 1)
+                with self.assertRaisesRegex(ValueError, f"`RowCounting` is not one of .* a batch of {rows} rows"):
+                    self.model.generate(
+                        **inputs, max_new_tokens=5, logits_processor=[RowCounting()], lookahead_window=4, **extra
+                    )
+        self.assertEqual(passes, [])
+
+    def test_transformers_batch_wide_processors_are_refused_in_a_batch(self):
+        guidance = UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, self.model)
+        with self.assertRaisesRegex(ValueError, "`UnbatchedClassifierFreeGuidanceLogitsProcessor` is not one of"):
+            self.model.generate(
+                **left_padded(mixed_prompts(2)), max_new_tokens=5, logits_processor=[guidance], lookahead_window=4
+            )
 
 
 class WhisperProcessorsTest(unittest.TestCase):

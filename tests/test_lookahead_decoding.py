@@ -197,8 +197,11 @@ class RecurrentChainStepsTest(unittest.TestCase):
         def observe(choice, row, verdict):
             steps.append((row.pending_length, len(choice.tree), len(verdict.nodes)))
 
+        # Indexed attention takes multi-token steps within its top-k only (`ChainCommitter.room`): above the
+        # contexts here, not the zoo's 4.
+        overrides = {} if recurrent else {"index_topk": 64}
         model = enable_lookahead(
-            build(Architecture(model_type, class_name, "causal_lm")), flat_state(step_observer=observe)
+            build(Architecture(model_type, class_name, "causal_lm"), **overrides), flat_state(step_observer=observe)
         )
         prompts = [random_prompt(21, seed=0), random_prompt(9, seed=1)]
         # As in `ChainStepsTest`: remembered text makes steps accept several tokens, the batch's rows differently.
@@ -425,6 +428,15 @@ class LookaheadGenerateBehaviourTest(unittest.TestCase):
         self.addCleanup(hook.remove)
         with self.assertRaisesRegex(ValueError, message):
             self.model.generate(self.prompt, **kwargs)
+        self.assertEqual(passes, [], "refused before any forward pass")
+
+    def test_refused_inputs_embeds(self):
+        passes = []
+        hook = self.model.register_forward_hook(lambda *_: passes.append(1))
+        self.addCleanup(hook.remove)
+        embeds = self.model.get_input_embeddings()(self.prompt)
+        with self.assertRaisesRegex(ValueError, "needs the prompt as `input_ids`.*got `inputs_embeds`"):
+            self.model.generate(inputs_embeds=embeds, max_new_tokens=5, lookahead_window=4)
         self.assertEqual(passes, [], "refused before any forward pass")
 
     def test_refused_assistant(self):

@@ -223,7 +223,8 @@ class MemoryInGenerateTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "memory.safetensors"
             self.model.lookahead_state.save_memory(path)
-            fresh = LookaheadState(cost_dir=None, memory_dir=None)
+            # Flat costs: with the machine's measured table a loaded CPU may price the memory's long steps out.
+            fresh = flat_state()
             fresh.load_memory(self.model, path, namespace="restored")
             self.model.lookahead_state = fresh
             restored = self._generate(lookahead_memory_namespace="restored")

@@ -53,8 +53,9 @@ def render() -> str:
             "every kind kept, learned position tables scaled up "
             f"{POSITION_SCALE:g}x so that a model placing tokens at wrong positions decodes other tokens). In fp32, "
             f'plain greedy against lookahead with {SETTINGS[0]} and with `"auto"`, {NEW_TOKENS} new tokens, on '
-            f"{len(PROMPTS)} prompts one at a time (repeating themselves, longer than every window) and as a "
-            "left-padded batch.",
+            f"{len(PROMPTS)} prompts one at a time (repeating themselves, longer than every window), as a "
+            "left-padded batch, and as a right-padded batch with a hole in a prompt (masks of the kind "
+            "Transformers' model testers build).",
             "",
             "- **exact**: every output `torch.equal` to plain greedy's; *in chain steps* where the model cannot take "
             "a full step (or, for left-padded batches only, treats padding as text) and lookahead decodes it in "

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache
+from transformers.utils import logging
 
 from .cache_commit import CacheCommitter
 from .compatibility import (
@@ -24,13 +25,15 @@ from .compatibility import (
     forget_recorded_past,
     recurrent_state_tensors,
 )
-from .step_layout import AttentionGroup, RowStep, StepInputs, StepLayout, generate_position_shift
+from .step_layout import AttentionGroup, HoleySlots, RowStep, StepInputs, StepLayout, generate_position_shift
 from .token_tree import TokenTree
 from .verification import Verdict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.cache_utils import CacheLayerMixin
+
+logger = logging.get_logger(__name__)
 
 # The longest chain step `chain_failure` checks, and so the longest one `generate` takes.
 LONGEST_CHAIN_CHECKED = 16
@@ -111,7 +114,9 @@ class ChainLayout(StepLayout):
         visible: torch.Tensor,
         positions: torch.Tensor,
         slot_valid: torch.BoolTensor | None,
+        holey: HoleySlots | None = None,
     ) -> torch.LongTensor | None:
+        # The model builds its own masks from the 2D padding mask, holes and sliding windows included.
         if slot_valid is None:
             return None
         # Tokens padding a shorter row come after its own: causal masking already hides them from it.
@@ -229,10 +234,24 @@ class ChainCommitter(CacheCommitter):
     one running state, not an entry per token, so a step whose every fed token is kept keeps the new states, and any
     other step is undone: the states are put back, the attention entries of the step cropped, and the accepted tokens
     fed again (their entries are kept whole, "gather"). Indexed layers crop their indexer's keys with their own `crop`.
+
+    Indexed (top-k sparse) attention attends to every key while a query sees at most `index_topk` of them, and to the
+    top-k an indexer scores once it sees more, which a step's queries would choose among other keys than plain
+    decoding's: steps then stay within `index_topk` keys, so past that context they are one token long.
+
+    Args:
+        cache (`Cache`), strategy (`str`), owner (`str`): as for `CacheCommitter`.
+        index_topk (`int`, *optional*): the keys an indexed layer's query attends to at most (its config's).
     """
 
-    def __init__(self, cache: Cache, strategy: str = "gather", owner: str = "The model"):
+    def __init__(
+        self, cache: Cache, strategy: str = "gather", owner: str = "The model", index_topk: int | None = None
+    ):
         super().__init__(cache, strategy, owner)
+        indexed = [index for index, layer in enumerate(cache.layers) if type(layer) in CHAIN_ROLLBACK_LAYERS]
+        self.index_topk = index_topk if indexed else None
+        self._indexed_layer = indexed[0] if indexed else None
+        self.owner = owner
         recurrent = [layer for layer in cache.layers if type(layer) in RECURRENT_LAYERS]
         # `None` without recurrent layers: nothing to keep before a step.
         self.states = RecurrentStates(recurrent) if recurrent else None
@@ -242,6 +261,20 @@ class ChainCommitter(CacheCommitter):
     @staticmethod
     def takes(layer: CacheLayerMixin) -> bool:
         return CacheCommitter.takes(layer) or type(layer) in RECURRENT_LAYERS + CHAIN_ROLLBACK_LAYERS
+
+    def room(self) -> int | None:
+        """`CacheCommitter.room`, and within `index_topk` keys (at least the one token plain decoding feeds)."""
+        room = super().room()
+        if self.index_topk is None:
+            return room
+        within = self.index_topk - self.seq_length(self._indexed_layer)
+        if within < 2:
+            logger.warning_once(
+                f"{self.owner}'s indexed attention attends to the top {self.index_topk} keys its indexer scores, "
+                "which a lookahead step's queries would score among other keys than plain decoding's: past "
+                f"{self.index_topk} tokens of context, lookahead decodes one token per step, as plain decoding does."
+            )
+        return within if room is None else min(room, within)
 
     def before_step(self, feeds_guesses: bool) -> None:
         """Keeps the recurrent states where the step feeds tokens that may not be kept."""
@@ -282,7 +315,18 @@ class ChainCommitter(CacheCommitter):
             CacheCommitter._crop(layer, tokens_to_remove)
 
 
-def committer_for(cache: Cache, strategy: str = "gather", owner: str = "The model") -> CacheCommitter:
-    """The committer of `cache`: a `ChainCommitter` where it holds layers only chain steps can roll back."""
-    committer = ChainCommitter if chain_only_layers(cache) else CacheCommitter
-    return committer(cache, strategy, owner)
+def committer_for(
+    cache: Cache, strategy: str = "gather", owner: str = "The model", index_topk: int | None = None
+) -> CacheCommitter:
+    """
+    The committer of `cache`: a `ChainCommitter` where it holds layers only chain steps can roll back, its steps within
+    `index_topk` keys where some of them are indexed.
+    """
+    if chain_only_layers(cache):
+        return ChainCommitter(cache, strategy, owner, index_topk)
+    return CacheCommitter(cache, strategy, owner)
+
+
+def index_topk(model: PreTrainedModel) -> int | None:
+    """The keys an indexed attention layer of `model` attends to at most (`index_topk`), if it has such layers."""
+    return getattr(model.config.get_text_config(decoder=True), "index_topk", None)

@@ -289,4 +289,8 @@ def validate_lookahead_setup(
             "Set both to False."
         )
     if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("Lookahead decoding needs `input_ids`; got `inputs_embeds`. Pass token ids instead.")
+        raise ValueError(
+            "Lookahead decoding needs the prompt as `input_ids`: its steps feed token ids (pending tokens, the "
+            "window's guesses, candidates) and verify them against the text; got `inputs_embeds`. Pass the token ids "
+            "instead, or remove the `lookahead_*` settings to generate from embeddings."
+        )

@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from .adaptive_planner import AdaptivePlanner
-from .chain_steps import ChainCommitter, ChainLayout, committer_for
+from .chain_steps import ChainCommitter, ChainLayout, committer_for, index_topk
 from .compatibility import is_from_model_config, mark_as_user_config
 from .configuration_lookahead import AUTO, LOOKAHEAD_FIELDS, LookaheadConfig
 from .lookahead_decoding import LookaheadDecoder
@@ -129,7 +129,7 @@ def lookahead_decoder(
     """
     state = state or getattr(model, "lookahead_state", None) or LookaheadState()
     forward = step_forward(model, model_kwargs)
-    committer = committer_for(forward.decoder_cache, config.cache_commit, type(model).__name__)
+    committer = committer_for(forward.decoder_cache, config.cache_commit, type(model).__name__, index_topk(model))
     # Checked before anything runs the model for this call (the prefill, or measuring "auto"'s cost table).
     padding = model_kwargs.get("attention_mask")
     padded = padding is not None and not bool(padding.all())

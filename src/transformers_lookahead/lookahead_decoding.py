@@ -10,18 +10,21 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+from transformers.utils import logging
 
 from .cache_commit import CacheCommitter
 from .compatibility import can_auto_compile, pad_token_id, prefill
 from .configuration_lookahead import LookaheadConfig
 from .sequence_lookahead import SequenceLookahead, SequenceStep, StepPlanner
 from .step_forward import StepForward
-from .step_layout import StepLayout, generate_position_shift, padded_length
+from .step_layout import HoleySlots, StepLayout, generate_position_shift, padded_length
 from .verification import Verdict, processors_for_row, read_choices
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -192,24 +195,21 @@ class SlotMap:
     left unused (it accepted fewer than the row that accepted the most) are masked. `None` for one unpadded row.
     """
 
-    def __init__(self, valid: torch.BoolTensor | None):
+    def __init__(self, valid: torch.BoolTensor | None, holey_prompts: torch.BoolTensor | None = None):
         self.valid = valid
+        # The prompts' mask where some zero follows a one (right padding, holes): sliding and chunked layers then
+        # count slots, not positions, as plain decoding's masks do.
+        self.holey_prompts = holey_prompts
 
     @classmethod
-    def after_prefill(
-        cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, static_cache: bool
-    ) -> SlotMap:
+    def after_prefill(cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> SlotMap:
         if input_ids.shape[0] == 1 and attention_mask is None:
             return cls(None)
-        if static_cache and input_ids.shape[0] > 1:
-            raise ValueError(
-                "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a "
-                f"static cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows with "
-                "a static cache. Use the default dynamic cache for batches, or one row per call."
-            )
         if attention_mask is None:
             return cls(torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device))
-        return cls(attention_mask.bool())
+        valid = attention_mask.bool()
+        holey = bool((valid[:, :-1] & ~valid[:, 1:]).any())
+        return cls(valid, valid.clone() if holey else None)
 
     def add(self, added: int, kept_rows: list[list[int]]) -> None:
         if self.valid is not None:
@@ -219,6 +219,28 @@ class SlotMap:
 
     def keep(self, indices: torch.LongTensor) -> None:
         self.valid = self.valid[indices]
+        if self.holey_prompts is not None:
+            self.holey_prompts = self.holey_prompts[indices]
+
+    def holey_slots(self, plans: list[SequenceStep]) -> HoleySlots:
+        """
+        How sliding and chunked layers see each row's slots in the step of `plans` where some prompt's mask has zeros
+        after real tokens (`holey_prompts`); left padding alone needs nothing, positions show it.
+        """
+        prompts = self.holey_prompts
+        # Each row's first token of the step: its slot in the row (padding and holes counted), and its position.
+        starts = [plan.sequence.length - len(plan.sequence.pending) for plan in plans]
+        positions = [plan.sequence.position - len(plan.sequence.pending) + 1 for plan in plans]
+        starts = torch.tensor(starts, device=prompts.device)[:, None]
+        left_padding = (prompts.cumsum(-1) == 0).sum(-1, keepdim=True)
+        shift = starts - left_padding - torch.tensor(positions, device=prompts.device)[:, None]
+
+        def valid(past: int) -> torch.BoolTensor:
+            slots = starts - past + torch.arange(past, device=prompts.device)
+            in_prompt = prompts.gather(1, slots.clamp(0, prompts.shape[1] - 1))
+            return (slots >= 0) & ((slots >= prompts.shape[1]) | in_prompt)
+
+        return HoleySlots(valid, shift)
 
 
 class LookaheadDecoder:
@@ -309,7 +331,10 @@ class LookaheadDecoder:
         """
         rows = [plan.row for plan in plans]
         # 1. Lay out: every part padded to the longest and masked, over the shared cache.
-        inputs = layout.build(self.committer.cache, rows, slots.valid, self._bucket(plans), self.committer.seq_length)
+        holey = slots.holey_slots(plans) if slots.holey_prompts is not None else None
+        inputs = layout.build(
+            self.committer.cache, rows, slots.valid, self._bucket(plans), self.committer.seq_length, holey
+        )
         # 2. Forward, then the step's one device-to-host transfer: the model's choice at every row it kept.
         self.committer.before_step(feeds_guesses=any(row.pending_length < inputs.length for row in rows))
         started = time.perf_counter()
@@ -343,6 +368,10 @@ class LookaheadDecoder:
         attention_mask = model_kwargs.get(
             "decoder_attention_mask" if self.forward.is_encoder_decoder else "attention_mask"
         )
+        # Plain decoding numbers each new token one past the last prompt position it prepared (1 after a padded
+        # last token), whatever the mask's zeros are; multimodal rotary ids `(sections, batch, length)` alike.
+        positions = model_kwargs.get("position_ids")
+        next_positions = None if positions is None else positions.reshape(-1, *positions.shape[-2:])[0, :, -1].tolist()
         outputs = prefill(self.model, input_ids, self.generation_config, model_kwargs)
         first = outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
         del outputs
@@ -359,7 +388,7 @@ class LookaheadDecoder:
         else:
             first_tokens = first_scores.argmax(-1).tolist()
 
-        slots = SlotMap.after_prefill(input_ids, attention_mask, self.committer.is_static)
+        slots = SlotMap.after_prefill(input_ids, attention_mask)
         sequences = []
         limit = self.generation_config.max_length
         for index in range(rows):
@@ -371,7 +400,12 @@ class LookaheadDecoder:
                 tokens.append(first_tokens[index])
             # Built from the prompt and its first token, as every later step sees the text.
             sequence = SequenceState(index, row, padding, tokens, limit, self.planner, verifiers[index])
-            sequence.position_offset = padding if self.position_shift is None else self.position_shift
+            if self.position_shift is None:
+                sequence.position_offset = padding
+            elif next_positions is None:
+                sequence.position_offset = self.position_shift
+            else:
+                sequence.position_offset = self.position_shift + next_positions[index] + 1 - (row.shape[1] - padding)
             if appended:
                 self.stops.record(sequence, first[index : index + 1], first_scores[index : index + 1])
             sequences.append(sequence)
@@ -384,7 +418,8 @@ class LookaheadDecoder:
         settles on one length, and every row verifies what fits in it.
         """
         offers = [sequence.offer(layout) for sequence in active]
-        # A static cache has room for so many more entries: the step must fit.
+        # A static cache has room for so many more entries (an indexed layer, keys its top-k takes all of): the
+        # step must fit.
         room = self.committer.room()
         budget = None
         if self.buckets is not None:
@@ -441,6 +476,12 @@ class LookaheadDecoder:
         output_ids = self._output_ids(sequences)
         if not self.generation_config.return_dict_in_generate:
             return output_ids
+        if slots.valid is not None:
+            logger.warning_once(
+                "Lookahead decoding returns no cache (`cache=None` in the output) for a batch or a padded prompt: "
+                "its cache holds unused slots and only the rows still running at the end, so `generate` could not "
+                "continue from it. Generate one unpadded row per call to get the cache back."
+            )
         outputs = {
             "sequences": output_ids,
             "scores": self._per_token(sequences, "scores") if self.stops.keep_scores else None,

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_commit import CacheCommitter
-from .compatibility import is_from_model_config
+from .compatibility import StaticLayer, is_from_model_config
 from .configuration_lookahead import (
     LOOKAHEAD_FIELDS,
     LookaheadConfig,
@@ -24,7 +24,8 @@ from .configuration_lookahead import (
 )
 from .lookahead_decoding import LookaheadDecoder, LookaheadDecoderOnlyOutput, LookaheadEncoderDecoderOutput
 from .sequence_lookahead import StepPlanner
-from .step_forward import StepForward
+from .step_forward import StepForward, self_attention_cache
+from .verification import check_processors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -209,6 +210,15 @@ def generate(
     validate_lookahead_setup(model, generation_config, model_kwargs, lookahead_assistant_model)
     if synced_gpus:
         raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")
+    check_processors(logits_processor, input_ids.shape[0])
+    cache = model_kwargs.get("cache")
+    if input_ids.shape[0] > 1 and any(isinstance(layer, StaticLayer) for layer in self_attention_cache(cache).layers):
+        raise ValueError(
+            "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a static "
+            f"cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows (input rows x "
+            "`num_return_sequences`) with a static cache. Use the default dynamic cache for batches, or one row "
+            "per call."
+        )
     if lookahead_streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(
             f"Streaming supports one sequence; got a batch of {input_ids.shape[0]} rows (input rows x "

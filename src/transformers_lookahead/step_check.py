@@ -216,8 +216,10 @@ def chain_failure(model: PreTrainedModel, padding: int = 0) -> str | None:
     Why `model` cannot decode chain steps exactly (`ChainLayout`), a sentence, or `None` when it can:
     `LONGEST_CHAIN_CHECKED` tokens after a prefix fed as one chain step against the same tokens fed one per pass
     (chain steps are no longer: a model may choose among a long pass's keys otherwise, as an attention indexer
-    does). The prefix is longer than the widest window the config declares (if at most `LONGEST_WINDOW_CHECKED`), so
-    that a model choosing among the pass's keys for its window (Doge) chooses otherwise than in one-token passes.
+    does; indexed layers' steps also stay within their `index_topk` keys, `ChainCommitter.room`, so every step
+    `generate` takes is of the kind checked here). The prefix is longer than the widest window the config declares
+    (if at most `LONGEST_WINDOW_CHECKED`), so that a model choosing among the pass's keys for its window (Doge)
+    chooses otherwise than in one-token passes.
     Where the cache holds recurrent states, the step is then undone (`ChainCommitter.undo`) and its tokens fed again
     one per pass: a state the model keeps beyond the cache's would show there. With `padding`, the prefix is
     left-padded by that many slots and every pass given the padding mask and the positions `generate` gives it.

@@ -105,6 +105,22 @@ class StepInputs:
 
 
 @dataclass(frozen=True)
+class HoleySlots:
+    """
+    For prompts whose masks have zeros after real tokens (right padding, holes): how sliding and chunked layers see
+    each row's slots, as plain decoding's masks do, by slot rather than by position.
+
+    Args:
+        valid (`Callable[[int], torch.BoolTensor]`): which of the latest `past` slots of each row hold its tokens.
+        shift (`torch.LongTensor` of shape `(batch, 1)`): each row's slot index past its left padding, minus its
+            position.
+    """
+
+    valid: Callable[[int], torch.BoolTensor]
+    shift: torch.LongTensor
+
+
+@dataclass(frozen=True)
 class AttentionGroup:
     """
     Attention layers that share one mask: a cache layer of theirs (`layer_idx`), their `sliding_window` (`None`: full
@@ -278,6 +294,7 @@ class StepLayout(RowLayout):
         slot_valid: torch.BoolTensor | None = None,
         fixed_length: int | None = None,
         seq_length: Callable[[int], int] | None = None,
+        holey: HoleySlots | None = None,
     ) -> StepInputs:
         """
         Pads the rows' parts to one length and builds the masks over the cache and the step.
@@ -289,6 +306,8 @@ class StepLayout(RowLayout):
                 full-attention layers (sliding layers keep each row's tokens last, so positions give their masks).
             fixed_length (`int`, *optional*): the length every multi-token step is padded to (compiled passes).
             seq_length (`Callable[[int], int]`, *optional*): the tokens a layer holds, known on the host.
+            holey (`HoleySlots`, *optional*): how sliding and chunked layers see each row's slots, for prompts whose
+                masks have zeros after real tokens.
         """
         device = self.device
         length = max(row.length for row in rows)
@@ -333,7 +352,7 @@ class StepLayout(RowLayout):
             row_logits = [row.logits_rows for row in rows]
 
         attention_mask = self._attention_mask(
-            cache, seq_length or cache.get_seq_length, visible, positions, slot_valid
+            cache, seq_length or cache.get_seq_length, visible, positions, slot_valid, holey
         )
         return StepInputs(input_ids, positions, attention_mask, logits_rows, row_logits)
 
@@ -344,12 +363,14 @@ class StepLayout(RowLayout):
         visible: torch.Tensor,
         positions: torch.Tensor,
         slot_valid: torch.BoolTensor | None,
+        holey: HoleySlots | None = None,
     ) -> torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask]:
-        if isinstance(self.groups, AttentionGroup):
-            return self._mask(cache, held, self.groups, visible, positions, slot_valid)
-        return {
-            name: self._mask(cache, held, group, visible, positions, slot_valid) for name, group in self.groups.items()
+        groups = self.groups if isinstance(self.groups, dict) else {None: self.groups}
+        masks = {
+            name: self._mask(cache, held, group, visible, positions, slot_valid, holey)
+            for name, group in groups.items()
         }
+        return masks if isinstance(self.groups, dict) else masks[None]
 
     def _rows(self, rows: list[int]) -> torch.LongTensor:
         return self._last_row if rows == [0] else torch.tensor(rows, device=self.device)
@@ -362,6 +383,7 @@ class StepLayout(RowLayout):
         visible: torch.Tensor,
         positions: torch.Tensor,
         slot_valid: torch.BoolTensor | None,
+        holey: HoleySlots | None,
     ) -> torch.Tensor | BlockMask:
         batch, length = positions.shape
         kv_length, kv_offset = cache.get_mask_sizes(length, group.layer_idx)
@@ -377,15 +399,17 @@ class StepLayout(RowLayout):
                 cached = torch.arange(kv_offset, kv_offset + past, device=self.device).expand(batch, -1)
             else:
                 # Sliding layers hold each sequence's latest tokens at the end of its row (`CacheCommitter`), and a
-                # step starts with the sequence's first token not in the cache: slot j holds position
-                # `first - past + j`, negative for padding.
+                # step starts with the sequence's first token not in the cache: slot j is `past - j` slots before it,
+                # as if at position `first - past + j`; negative for left padding.
                 cached = positions[:, :1] - past + torch.arange(past, device=self.device)
-                mask[:, :, :past].masked_fill_((cached < 0)[:, None, :], self.min_value)
+                hidden = cached < 0 if holey is None else ~holey.valid(past)
+                mask[:, :, :past].masked_fill_(hidden[:, None, :], self.min_value)
             kv_positions = torch.cat([cached, positions], dim=1)
             if group.chunked:
-                too_far = (
-                    positions[:, :, None] // group.sliding_window != kv_positions[:, None, :] // group.sliding_window
-                )
+                # Chunks start after the left padding and count every slot after it, holes too.
+                shift = 0 if holey is None else holey.shift
+                chunk = (positions + shift) // group.sliding_window
+                too_far = chunk[:, :, None] != ((kv_positions + shift) // group.sliding_window)[:, None, :]
             else:
                 too_far = positions[:, :, None] - kv_positions[:, None, :] >= group.sliding_window
             mask[:, :, : past + length].masked_fill_(too_far, self.min_value)

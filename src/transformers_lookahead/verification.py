@@ -10,6 +10,7 @@ import torch
 from transformers import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
+    LogitsProcessor,
     LogitsProcessorList,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -193,6 +194,41 @@ class SamplingVerifier(GreedyVerifier):
 
     def choose(self, scores: torch.Tensor, position: int) -> int:
         return self.noise.sample(scores, position)
+
+
+# Transformers' processors whose calls span the batch as a whole (guidance halves, per-row state set up for the whole
+# batch): called one row at a time, they would compute something else.
+BATCH_PROCESSORS = (
+    "ClassifierFreeGuidanceLogitsProcessor",
+    "DiaClassifierFreeGuidanceLogitsProcessor",
+    "DiaEOSChannelFilterLogitsProcessor",
+    "DiaEOSDelayPatternLogitsProcessor",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
+    "WhisperNoSpeechDetection",
+)
+
+
+def check_processors(logits_processor: LogitsProcessorList, batch_size: int) -> None:
+    """
+    Refuses, for a batch of several rows, the processors that row-by-row calls could change: lookahead verifies each
+    row with `(1, length)` inputs, as many times as the row accepts tokens, while plain decoding calls a processor once
+    per token with the whole batch. Transformers' own processors give the same scores either way (those holding
+    per-row data are adapted by `processors_for_row`); a processor of another kind may keep state per batch row or
+    read the batch size.
+    """
+    if batch_size <= 1:
+        return
+    for processor in logits_processor:
+        kind = type(processor)
+        if kind.__module__ != LogitsProcessor.__module__ or kind.__name__ in BATCH_PROCESSORS:
+            raise ValueError(
+                f"Lookahead decoding calls logits processors for one batch row at a time (input ids of shape "
+                f"`(1, length)`, once per accepted token), not once per token with the whole batch; "
+                f"`{kind.__name__}` is not one of Transformers' row-wise processors, so it could keep state per row "
+                f"or read the batch size and behave otherwise. Got a batch of {batch_size} rows (input rows x "
+                "`num_return_sequences`): generate one row per call with this processor, or remove the "
+                "`lookahead_*` settings."
+            )
 
 
 def processors_for_row(logits_processor: LogitsProcessorList, row: int, rows: int) -> LogitsProcessorList:
