@@ -365,12 +365,12 @@ class StepLayout(RowLayout):
         slot_valid: torch.BoolTensor | None,
         holey: HoleySlots | None = None,
     ) -> torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask]:
-        groups = self.groups if isinstance(self.groups, dict) else {None: self.groups}
-        masks = {
+        if isinstance(self.groups, AttentionGroup):
+            return self._mask(cache, held, self.groups, visible, positions, slot_valid, holey)
+        return {
             name: self._mask(cache, held, group, visible, positions, slot_valid, holey)
-            for name, group in groups.items()
+            for name, group in self.groups.items()
         }
-        return masks if isinstance(self.groups, dict) else masks[None]
 
     def _rows(self, rows: list[int]) -> torch.LongTensor:
         return self._last_row if rows == [0] else torch.tensor(rows, device=self.device)

@@ -222,8 +222,8 @@ def check_processors(logits_processor: LogitsProcessorList, batch_size: int) -> 
         kind = type(processor)
         if kind.__module__ != LogitsProcessor.__module__ or kind.__name__ in BATCH_PROCESSORS:
             raise ValueError(
-                f"Lookahead decoding calls logits processors for one batch row at a time (input ids of shape "
-                f"`(1, length)`, once per accepted token), not once per token with the whole batch; "
+                "Lookahead decoding calls logits processors for one batch row at a time (input ids of shape "
+                "`(1, length)`, once per accepted token), not once per token with the whole batch; "
                 f"`{kind.__name__}` is not one of Transformers' row-wise processors, so it could keep state per row "
                 f"or read the batch size and behave otherwise. Got a batch of {batch_size} rows (input rows x "
                 "`num_return_sequences`): generate one row per call with this processor, or remove the "
