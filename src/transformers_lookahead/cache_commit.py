@@ -50,6 +50,11 @@ class EntryMoves:
             tensor[:, :, start : start + self.width] = torch.gather(tensor[:, :, start:], 2, source)
 
 
+def has_static_layers(cache: Cache) -> bool:
+    """Whether `cache` holds static layers, sized for plain decoding."""
+    return any(isinstance(layer, StaticLayer) for layer in cache.layers)
+
+
 def keep_cache_rows(cache: Cache, indices: torch.Tensor) -> None:
     """Keeps the batch rows `indices` of every layer (recurrent layers by `reorder_cache`)."""
     for layer in cache.layers:
@@ -109,7 +114,7 @@ class CacheCommitter:
             raise ValueError(unsupported_layer_message(owner, cache, layer))
         self.cache = cache
         self.strategy = strategy
-        self.is_static = any(isinstance(layer, StaticLayer) for layer in cache.layers)
+        self.is_static = has_static_layers(cache)
         self._device_length: int | None = None
 
     @staticmethod

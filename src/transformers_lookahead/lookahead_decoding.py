@@ -195,11 +195,11 @@ class SlotMap:
     left unused (it accepted fewer than the row that accepted the most) are masked. `None` for one unpadded row.
     """
 
-    def __init__(self, valid: torch.BoolTensor | None, holey_prompts: torch.BoolTensor | None = None):
+    def __init__(self, valid: torch.BoolTensor | None, holey_prompt_length: int | None = None):
         self.valid = valid
-        # The prompts' mask where some zero follows a one (right padding, holes): sliding and chunked layers then
-        # count slots, not positions, as plain decoding's masks do.
-        self.holey_prompts = holey_prompts
+        # The prompts' length (their mask is `valid`'s first columns) where some zero follows a one (right padding,
+        # holes): sliding and chunked layers then count slots, not positions, as plain decoding's masks do.
+        self.holey_prompt_length = holey_prompt_length
 
     @classmethod
     def after_prefill(cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> SlotMap:
@@ -209,7 +209,7 @@ class SlotMap:
             return cls(torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device))
         valid = attention_mask.bool()
         holey = bool((valid[:, :-1] & ~valid[:, 1:]).any())
-        return cls(valid, valid.clone() if holey else None)
+        return cls(valid, valid.shape[1] if holey else None)
 
     def add(self, added: int, kept_rows: list[list[int]]) -> None:
         if self.valid is not None:
@@ -219,15 +219,13 @@ class SlotMap:
 
     def keep(self, indices: torch.LongTensor) -> None:
         self.valid = self.valid[indices]
-        if self.holey_prompts is not None:
-            self.holey_prompts = self.holey_prompts[indices]
 
     def holey_slots(self, plans: list[SequenceStep]) -> HoleySlots:
         """
         How sliding and chunked layers see each row's slots in the step of `plans` where some prompt's mask has zeros
-        after real tokens (`holey_prompts`); left padding alone needs nothing, positions show it.
+        after real tokens (`holey_prompt_length`); left padding alone needs nothing, positions show it.
         """
-        prompts = self.holey_prompts
+        prompts = self.valid[:, : self.holey_prompt_length]
         # Each row's first token of the step: its slot in the row (padding and holes counted), and its position.
         starts = [plan.sequence.length - len(plan.sequence.pending) for plan in plans]
         positions = [plan.sequence.position - len(plan.sequence.pending) + 1 for plan in plans]
@@ -331,7 +329,7 @@ class LookaheadDecoder:
         """
         rows = [plan.row for plan in plans]
         # 1. Lay out: every part padded to the longest and masked, over the shared cache.
-        holey = slots.holey_slots(plans) if slots.holey_prompts is not None else None
+        holey = slots.holey_slots(plans) if slots.holey_prompt_length is not None else None
         inputs = layout.build(
             self.committer.cache, rows, slots.valid, self._bucket(plans), self.committer.seq_length, holey
         )

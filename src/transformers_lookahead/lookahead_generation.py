@@ -13,8 +13,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .cache_commit import CacheCommitter
-from .compatibility import StaticLayer, is_from_model_config
+from .cache_commit import CacheCommitter, has_static_layers
+from .compatibility import is_from_model_config
 from .configuration_lookahead import (
     LOOKAHEAD_FIELDS,
     LookaheadConfig,
@@ -211,8 +211,7 @@ def generate(
     if synced_gpus:
         raise ValueError("Lookahead decoding does not support `synced_gpus=True`.")
     check_processors(logits_processor, input_ids.shape[0])
-    cache = model_kwargs.get("cache")
-    if input_ids.shape[0] > 1 and any(isinstance(layer, StaticLayer) for layer in self_attention_cache(cache).layers):
+    if input_ids.shape[0] > 1 and has_static_layers(self_attention_cache(model_kwargs["cache"])):
         raise ValueError(
             "Batched lookahead decoding leaves unused cache slots where rows accept fewer tokens, which a static "
             f"cache sized for plain decoding cannot hold; got a batch of {input_ids.shape[0]} rows (input rows x "
